@@ -1,15 +1,44 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use supervisor::{cli::Cli, run};
+use supervisor::{
+    agent,
+    cli::{Cli, Command},
+    doctor, exit, hook, init_logging, pid1, run,
+};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match run(cli) {
-        Ok(code) => code,
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
         Err(error) => {
-            eprintln!("supervisor: {error:#}");
-            ExitCode::FAILURE
+            let _ = error.print();
+            return ExitCode::from(if error.use_stderr() { exit::USAGE } else { 0 });
         }
-    }
+    };
+    let code = match cli.command {
+        Command::Run(args) => {
+            // Before anything else, and before any thread exists: see pid1::block_signals.
+            if let Err(error) = pid1::block_signals() {
+                eprintln!("supervisor: {}", supervisor::error_chain(&error));
+                return ExitCode::from(exit::INTERNAL);
+            }
+            init_logging("supervisor");
+            if let Err(message) = supervisor::cli::validate(&args) {
+                eprintln!("error: {message}\n\nFor more information, try 'supervisor run --help'.");
+                return ExitCode::from(exit::USAGE);
+            }
+            run::run(args)
+        }
+        Command::Agent => {
+            init_logging("supervisor agent");
+            agent::main()
+        }
+        Command::JobStarted(args) => hook::run(&args),
+        Command::Doctor(args) => doctor::run(&args),
+        Command::Version => {
+            println!("supervisor {}", env!("CARGO_PKG_VERSION"));
+            0
+        }
+    };
+    ExitCode::from(code)
 }

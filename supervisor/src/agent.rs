@@ -1,0 +1,334 @@
+//! The agent: runs as the runner uid with the docker group, started by PID 1.
+//!
+//! It waits for the job's exact SVID (SPIRE attests the caller's uid, so this wait
+//! must run as uid 2000, never as root) and for PID 1's word that dockerd is ready,
+//! serves the readiness socket that `supervisor job-started` asks, then runs the job
+//! command, forwards signals to it, and exits with its status.
+
+use std::{
+    io::{BufRead, BufReader},
+    os::fd::{FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use nix::{sys::signal::Signal, unistd::Pid};
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt},
+    net::{UnixListener, UnixStream},
+    signal::unix::{SignalKind, signal},
+    sync::{mpsc, watch},
+};
+
+use crate::{
+    exit::{self, ChildStatus},
+    identity,
+    pid1::FORWARDED,
+    ready::{Readiness, Request, Status},
+};
+
+/// Environment variable that carries [`AgentConfig`] from PID 1 (no secrets in it).
+pub const CONFIG_ENV: &str = "SUPERVISOR_AGENT_CONFIG";
+/// The fd on which PID 1 writes one line about dockerd: `ready …` or `failed …`.
+pub const DOCKER_FD: i32 = 3;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AgentConfig {
+    pub identity: Option<IdentitySettings>,
+    /// Whether PID 1 reports on dockerd through fd 3.
+    pub docker: bool,
+    pub docker_host: Option<String>,
+    pub socket: PathBuf,
+    pub command: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IdentitySettings {
+    pub spiffe_id: String,
+    pub endpoint: String,
+    pub timeout_ms: u64,
+}
+
+/// `supervisor agent`: reads its configuration and runs.
+pub fn main() -> u8 {
+    let config = match std::env::var(CONFIG_ENV).map_err(|e| e.to_string()).and_then(|json| {
+        serde_json::from_str::<AgentConfig>(&json).map_err(|e| e.to_string())
+    }) {
+        Ok(config) => config,
+        Err(error) => {
+            tracing::error!("agent: invalid {CONFIG_ENV}: {error}; the agent is started by `supervisor run`");
+            return exit::USAGE;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            tracing::error!(%error, "agent: cannot start the async runtime");
+            return exit::INTERNAL;
+        }
+    };
+    runtime.block_on(run(config))
+}
+
+async fn run(config: AgentConfig) -> u8 {
+    let initial = Readiness {
+        identity: match &config.identity {
+            Some(_) => Status::Waiting("not asked yet".into()),
+            None => Status::Off,
+        },
+        docker: if config.docker { Status::Waiting("dockerd starting".into()) } else { Status::Off },
+    };
+    let (state, readiness) = watch::channel(initial);
+    let mut signals = match Signals::new() {
+        Ok(signals) => signals,
+        Err(error) => {
+            tracing::error!(%error, "agent: cannot install signal handlers");
+            return exit::INTERNAL;
+        }
+    };
+    let listener = match bind(&config.socket) {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::error!(socket = %config.socket.display(), %error, "agent: cannot listen on the readiness socket");
+            return exit::INTERNAL;
+        }
+    };
+    let server = tokio::spawn(serve(listener, readiness.clone()));
+
+    let mut tasks = tokio::task::JoinSet::new();
+    if let Some(settings) = config.identity.clone() {
+        let state = state.clone();
+        tasks.spawn(async move {
+            let mut progress = |detail: &str| {
+                let detail = detail.to_owned();
+                state.send_modify(|r| r.identity = Status::Waiting(detail));
+            };
+            let outcome = identity::wait_for_svid(
+                &settings.endpoint,
+                &settings.spiffe_id,
+                Duration::from_millis(settings.timeout_ms),
+                &mut progress,
+            )
+            .await;
+            state.send_modify(|r| {
+                r.identity = match outcome {
+                    Ok(_) => Status::Ready(settings.spiffe_id.clone()),
+                    Err(error) => Status::Failed(error.to_string()),
+                }
+            });
+        });
+    }
+    if config.docker {
+        let state = state.clone();
+        tasks.spawn(async move {
+            let status = tokio::task::spawn_blocking(read_docker_report)
+                .await
+                .unwrap_or_else(|error| Status::Failed(format!("reading PID 1's report failed: {error}")));
+            state.send_modify(|r| r.docker = status);
+        });
+    }
+
+    let code = 'outcome: {
+        let mut watching = readiness.clone();
+        loop {
+            let now = watching.borrow_and_update().clone();
+            if now.identity.is_failed() {
+                tracing::error!("agent: {}", now.identity);
+                break 'outcome exit::IDENTITY;
+            }
+            if now.docker.is_failed() {
+                tracing::error!("agent: {}", now.docker);
+                break 'outcome exit::DOCKER;
+            }
+            if now.is_ready() {
+                break;
+            }
+            tokio::select! {
+                changed = watching.changed() => if changed.is_err() { break 'outcome exit::INTERNAL },
+                Some(signal) = signals.recv() => {
+                    if stops_before_start(signal) {
+                        tracing::info!(%signal, "agent: stopped before the job started");
+                        break 'outcome 128 + signal as u8;
+                    }
+                }
+            }
+        }
+        run_job(&config, &mut signals).await
+    };
+    tasks.abort_all();
+    server.abort();
+    let _ = server.await;
+    let _ = std::fs::remove_file(&config.socket);
+    code
+}
+
+/// Before the job runs there is nothing to forward to: terminating signals end the
+/// agent, the rest (SIGUSR1, SIGWINCH…) are ignored.
+fn stops_before_start(signal: Signal) -> bool {
+    matches!(signal, Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP | Signal::SIGQUIT)
+}
+
+async fn run_job(config: &AgentConfig, signals: &mut Signals) -> u8 {
+    let Some((program, args)) = config.command.split_first() else {
+        return exit::USAGE;
+    };
+    let mut command = tokio::process::Command::new(program);
+    command.args(args).stdin(Stdio::inherit()).stdout(Stdio::inherit()).stderr(Stdio::inherit());
+    command.env_remove(CONFIG_ENV);
+    if let Some(host) = &config.docker_host {
+        command.env("DOCKER_HOST", host);
+    }
+    // Its own process group, so a terminal's job control does not reach the agent.
+    command.process_group(0);
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(error) => {
+            tracing::error!(program, %error, "agent: cannot run the job command");
+            return exit::spawn_failure(&error);
+        }
+    };
+    let pid = child.id().and_then(|id| i32::try_from(id).ok()).map(Pid::from_raw);
+    tracing::info!(program, pid = ?pid, "job started");
+    loop {
+        tokio::select! {
+            status = child.wait() => {
+                return match status {
+                    Ok(status) => {
+                        let status = ChildStatus::from_std(status);
+                        tracing::info!(%status, "job ended");
+                        status.exit_code()
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "agent: waiting for the job failed");
+                        exit::INTERNAL
+                    }
+                };
+            }
+            Some(signal) = signals.recv() => {
+                if let Some(pid) = pid {
+                    tracing::debug!(%signal, %pid, "forwarding signal to the job");
+                    let _ = nix::sys::signal::kill(pid, signal);
+                }
+            }
+        }
+    }
+}
+
+/// Reads PID 1's one-line report about dockerd from [`DOCKER_FD`].
+fn read_docker_report() -> Status {
+    // SAFETY: fd 3 was installed by PID 1 (dup2 in the pre-exec step) for this
+    // process alone; fcntl confirms it is open before ownership is taken, and nothing
+    // else in the agent uses fd 3.
+    let open = unsafe { libc::fcntl(DOCKER_FD, libc::F_GETFD) } != -1;
+    if !open {
+        return Status::Failed("PID 1 gave the agent no dockerd report channel (fd 3)".into());
+    }
+    // SAFETY: see above; the fd is open and owned by nobody else in this process.
+    let fd = unsafe { OwnedFd::from_raw_fd(DOCKER_FD) };
+    let mut line = String::new();
+    match BufReader::new(std::fs::File::from(fd)).read_line(&mut line) {
+        Ok(0) => Status::Failed("PID 1 closed the dockerd report channel without a word".into()),
+        Ok(_) => parse_docker_report(&line),
+        Err(error) => Status::Failed(format!("reading PID 1's dockerd report failed: {error}")),
+    }
+}
+
+/// `ready <detail>` or `failed <detail>`.
+pub fn parse_docker_report(line: &str) -> Status {
+    let line = line.trim_end();
+    match line.split_once(' ').unwrap_or((line, "")) {
+        ("ready", detail) => Status::Ready(detail.to_owned()),
+        ("failed", detail) => Status::Failed(detail.to_owned()),
+        _ => Status::Failed(format!("unreadable dockerd report {line:?}")),
+    }
+}
+
+fn bind(socket: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    let listener = UnixListener::bind(socket)?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+async fn serve(listener: UnixListener, readiness: watch::Receiver<Readiness>) {
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                connections.spawn(answer(stream, readiness.clone()));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "agent: readiness socket accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        while connections.try_join_next().is_some() {}
+    }
+}
+
+async fn answer(stream: UnixStream, mut readiness: watch::Receiver<Readiness>) {
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = tokio::io::BufReader::new(read.take(4096));
+    if reader.read_line(&mut line).await.is_err() {
+        return;
+    }
+    let wait = serde_json::from_str::<Request>(&line).map_or(Duration::ZERO, |r| Duration::from_millis(r.wait_ms));
+    let _ = tokio::time::timeout(wait, readiness.wait_for(Readiness::is_settled)).await;
+    let current = readiness.borrow().clone();
+    let mut answer = serde_json::to_vec(&current).unwrap_or_default();
+    answer.push(b'\n');
+    let _ = write.write_all(&answer).await;
+}
+
+/// The forwarded signals as one stream (the agent is not PID 1: tokio handlers are fine).
+struct Signals {
+    receiver: mpsc::UnboundedReceiver<Signal>,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        for forwarded in FORWARDED {
+            let mut stream = signal(SignalKind::from_raw(forwarded as i32))?;
+            let sender = sender.clone();
+            tokio::spawn(async move {
+                while stream.recv().await.is_some() {
+                    if sender.send(forwarded).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        Ok(Signals { receiver })
+    }
+
+    async fn recv(&mut self) -> Option<Signal> {
+        self.receiver.recv().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn docker_reports() {
+        let table: &[(&str, Status)] = &[
+            ("ready /var/run/docker.sock answered in 412ms\n", Status::Ready("/var/run/docker.sock answered in 412ms".into())),
+            ("failed dockerd exited with 1\n", Status::Failed("dockerd exited with 1".into())),
+            ("ready\n", Status::Ready(String::new())),
+            ("bogus\n", Status::Failed("unreadable dockerd report \"bogus\"".into())),
+        ];
+        for (line, want) in table {
+            assert_eq!(&parse_docker_report(line), want, "{line:?}");
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! How PID 1 and the agent start children.
+//!
+//! std's `Command` resets the signal mask and SIGPIPE in the child, but keeps every
+//! other ignored disposition, and `.uid()` from root drops all supplementary groups
+//! (`setgroups(0)`; `CommandExt::groups` is nightly-only). So the privilege drop is
+//! done here, in one pre-exec step: setgroups → setgid → setuid, then verified.
+
+use std::{os::unix::process::CommandExt, process::Command};
+
+use nix::{
+    sys::signal::{SigHandler, SigSet, SigmaskHow, Signal, pthread_sigmask, signal},
+    unistd::{Gid, Uid, getgroups, setgid, setgroups, setuid},
+};
+
+/// Who a child runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Credentials {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups, e.g. the docker group.
+    pub groups: [u32; 1],
+}
+
+/// Prepares `command` to run with default signal handling and, if given, as `who`.
+pub fn prepare(command: &mut Command, who: Option<Credentials>) {
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls (sigprocmask, signal, setgroups, setgid, setuid,
+    // getgroups); it allocates nothing on the heap apart from getgroups' small Vec,
+    // which is sound here because the parent never holds the allocator lock across
+    // fork (the supervisor's PID 1 path is single-threaded when it spawns).
+    unsafe {
+        command.pre_exec(move || {
+            pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+            for reset in [Signal::SIGPIPE, Signal::SIGTTIN, Signal::SIGTTOU, Signal::SIGTSTP] {
+                // SAFETY: SIG_DFL installs no handler code.
+                signal(reset, SigHandler::SigDfl)?;
+            }
+            if let Some(who) = who {
+                setgroups(&[Gid::from_raw(who.groups[0])])?;
+                setgid(Gid::from_raw(who.gid))?;
+                setuid(Uid::from_raw(who.uid))?;
+                if !getgroups()?.contains(&Gid::from_raw(who.groups[0])) {
+                    return Err(std::io::Error::other("supplementary group was not kept"));
+                }
+            }
+            Ok(())
+        });
+    }
+}

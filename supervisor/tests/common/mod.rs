@@ -1,0 +1,95 @@
+//! Running the real supervisor binary in tests: as PID 1 of a new PID namespace
+//! (`unshare --pid --fork --mount-proc`) or as a subreaper, with scratch directories
+//! the runner uid can write.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::{
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+pub const SUPERVISOR: &str = env!("CARGO_BIN_EXE_supervisor");
+
+/// A scratch directory everyone can write (the job runs as uid 2000).
+pub fn scratch() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new().prefix("supervisor-test-").tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    dir
+}
+
+/// `supervisor run` with identity and Docker off, in its own PID namespace.
+pub fn run_as_pid1(state: &Path, extra: &[&str], job: &str) -> Command {
+    let mut command = Command::new("unshare");
+    command.args(["--pid", "--fork", "--mount-proc", "--kill-child", SUPERVISOR]);
+    command.args(base_args(state, extra, job));
+    command
+}
+
+/// `supervisor run` in this PID namespace (it becomes a child subreaper).
+pub fn run_as_subreaper(state: &Path, extra: &[&str], job: &str) -> Command {
+    let mut command = Command::new(SUPERVISOR);
+    command.args(base_args(state, extra, job));
+    command
+}
+
+fn base_args(state: &Path, extra: &[&str], job: &str) -> Vec<String> {
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--identity=false".into(),
+        "--docker=false".into(),
+        format!("--state-dir={}", state.display()),
+    ];
+    args.extend(extra.iter().map(|s| (*s).to_owned()));
+    args.extend(["--".into(), "sh".into(), "-c".into(), job.to_owned()]);
+    args
+}
+
+pub fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("the supervisor did not exit within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Polls until `f` is true.
+pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The host pid of a process whose parent is `parent` (unshare's forked child).
+pub fn child_of(parent: u32) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| !stat.contains(") Z "))
+        .unwrap_or(false)
+}
+
+pub fn file(dir: &Path, name: &str) -> PathBuf {
+    dir.join(name)
+}
+
+pub fn quiet(command: &mut Command) -> &mut Command {
+    command.stdin(Stdio::null())
+}
