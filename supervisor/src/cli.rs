@@ -285,7 +285,7 @@ mod tests {
         let table: &[(&[&str], &str)] = &[
             (&["--runner-uid", "0"], "--runner-uid"),
             (&["--runner-uid", "abc"], "--runner-uid"),
-            (&["--runner-gid", "-1"], "--runner-gid"),
+            (&["--runner-gid=-1"], "--runner-gid"),
             (&["--docker-gid", "2000"], "--docker-gid"),
             (&["--docker", "maybe"], "--docker"),
             (&["--docker-data-root", "relative"], "--docker-data-root"),

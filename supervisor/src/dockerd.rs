@@ -43,9 +43,10 @@ pub fn args(config: &DockerdConfig) -> Vec<OsString> {
     ];
     match config.bridge {
         Bridge::Default => {
+            // Only the default bridge: `--default-network-opt` (per-job networks) needs
+            // dockerd ≥ 24, and Debian's 20.10 refuses to start with it.
             if let Some(mtu) = config.mtu {
                 args.push(format!("--mtu={mtu}").into());
-                args.push(format!("--default-network-opt=bridge=com.docker.network.driver.mtu={mtu}").into());
             }
         }
         Bridge::None => {
@@ -166,7 +167,7 @@ mod tests {
     fn mtu_and_no_bridge() {
         let with_mtu = strings(args(&config(Bridge::Default, Some(1450))));
         assert!(with_mtu.contains(&"--mtu=1450".to_owned()));
-        assert!(with_mtu.contains(&"--default-network-opt=bridge=com.docker.network.driver.mtu=1450".to_owned()));
+        assert!(!with_mtu.iter().any(|a| a.starts_with("--default-network-opt")));
         let none = strings(args(&config(Bridge::None, Some(1450))));
         assert!(none.contains(&"--bridge=none".to_owned()));
         assert!(none.contains(&"--iptables=false".to_owned()));

@@ -100,8 +100,10 @@ impl Supervisor {
                 Err(Some(reason)) => format!("failed {reason}\n"),
                 Err(None) => "failed the supervisor is shutting down\n".to_owned(),
             };
-            if let Ok(detail) = &outcome {
-                tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}");
+            match &outcome {
+                Ok(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),
+                Err(Some(reason)) => tracing::error!("dockerd is not available: {reason}"),
+                Err(None) => {}
             }
             let mut pipe = fs::File::from(report);
             // The agent may already be gone; that is handled by the event loop.
@@ -227,9 +229,11 @@ impl Supervisor {
                 self.storage = Some(prepared);
             }
             Err(error) => {
-                let reason = format!("storage for {} failed: {}", self.args.docker_data_root.display(), crate::error_chain(&error));
-                tracing::error!("{reason}");
-                return Err(Some(reason));
+                return Err(Some(format!(
+                    "storage for {} failed: {}",
+                    self.args.docker_data_root.display(),
+                    crate::error_chain(&error)
+                )));
             }
         }
         self.check_interrupts().map_err(|Interrupted| None)?;

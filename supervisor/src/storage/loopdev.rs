@@ -448,7 +448,9 @@ fn ensure_node(paths: &LoopPaths, index: u32) -> Result<PathBuf, LoopError> {
 }
 
 enum BindOutcome {
-    Bound { used_configure: bool },
+    Bound {
+        used_configure: bool,
+    },
     /// Someone else bound this index first (EBUSY/EAGAIN): start over with GET_FREE.
     Lost(Errno),
 }
@@ -477,7 +479,11 @@ fn bind(
             reserved: [0; 8],
         };
         match ioctl_configure(dev.as_fd(), &config) {
-            Ok(()) => return Ok(BindOutcome::Bound { used_configure: true }),
+            Ok(()) => {
+                return Ok(BindOutcome::Bound {
+                    used_configure: true,
+                });
+            }
             Err(e @ (Errno::EBUSY | Errno::EAGAIN)) => return Ok(BindOutcome::Lost(e)),
             // util-linux falls back on exactly these: pre-5.8 kernels (EINVAL/ENOTTY),
             // 32-bit compat (ENOTTY), stubs (ENOSYS).
@@ -497,7 +503,11 @@ fn bind(
     let mut attempt = 0;
     loop {
         match ioctl_set_status(dev.as_fd(), &info) {
-            Ok(()) => return Ok(BindOutcome::Bound { used_configure: false }),
+            Ok(()) => {
+                return Ok(BindOutcome::Bound {
+                    used_configure: false,
+                });
+            }
             Err(Errno::EAGAIN) if attempt + 1 < STATUS_RETRIES => {
                 attempt += 1;
                 sleep(STATUS_RETRY_DELAY);
@@ -668,15 +678,26 @@ fn poll_unbound(paths: &LoopPaths, index: u32, image: &Path) -> Option<bool> {
 /// L7-safe detach: only ever clears `index` if it is still bound to *our* image, judged
 /// first by the sysfs path and then by backing device + inode. Other processes' loops
 /// (the host's, under runc) are never opened for writing or cleared.
+///
+/// `still_busy`: the filesystem was detached lazily (`MNT_DETACH`) and is known to be in
+/// use, so the device cannot unbind yet; autoclear (verified at attach) will do it when
+/// the last user goes, and neither waiting nor LOOP_CLR_FD would change that.
 pub(crate) fn detach_if_ours(
     paths: &LoopPaths,
     index: u32,
     device: &Path,
     image: &Path,
+    still_busy: bool,
 ) -> Result<Detached, LoopError> {
-    match poll_unbound(paths, index, image) {
+    let bound = if still_busy {
+        sys_bound_to(paths, index, image)
+    } else {
+        poll_unbound(paths, index, image)
+    };
+    match bound {
         None => return Ok(Detached::Autocleared),
         Some(false) => return Ok(Detached::Reused),
+        Some(true) if still_busy => return Ok(Detached::Deferred),
         Some(true) => {}
     }
     let meta = std::fs::metadata(image).map_err(|source| LoopError::StatImage {
@@ -754,8 +775,21 @@ mod tests {
             assert_eq!(parse_sys_dev(text), Ok(*expected), "{text:?}");
         }
         let bad = [
-            "", "\n", "7", "7:", ":3", "7:3:1", "7 :3", "7: 3", "+7:3", "7:-3", "x:3", "7:3x",
-            "4294967296:0", "7;3", "7:3\n8:4\n",
+            "",
+            "\n",
+            "7",
+            "7:",
+            ":3",
+            "7:3:1",
+            "7 :3",
+            "7: 3",
+            "+7:3",
+            "7:-3",
+            "x:3",
+            "7:3x",
+            "4294967296:0",
+            "7;3",
+            "7:3\n8:4\n",
         ];
         for text in bad {
             assert_eq!(
@@ -820,10 +854,8 @@ mod tests {
     struct Scratch(PathBuf);
     impl Scratch {
         fn new(name: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!(
-                "supervisor-loopdev-{name}-{}",
-                std::process::id()
-            ));
+            let dir = std::env::temp_dir()
+                .join(format!("supervisor-loopdev-{name}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("scratch dir");
             Self(dir)
@@ -838,7 +870,9 @@ mod tests {
     /// Attaches `image` in a scratch dev dir (so both mknod paths run), checks the
     /// binding through sysfs, then closes the fd and expects autoclear to unbind it.
     fn attach_and_autoclear(strategy: Strategy) {
-        let _lock = LOOP_LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _lock = LOOP_LOCK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !privileged() {
             return;
         }
@@ -863,24 +897,25 @@ mod tests {
         let attached = attach(&paths, &image, &image_path, strategy).expect("attach");
         assert_eq!(attached.used_configure, strategy == Strategy::Auto);
         assert!(paths.control().exists(), "loop-control was mknod'ed");
-        assert!(attached.device.starts_with(&paths.dev_dir), "node was mknod'ed");
+        assert!(
+            attached.device.starts_with(&paths.dev_dir),
+            "node was mknod'ed"
+        );
         let backing = sys_backing_file(&paths, attached.index);
         assert_eq!(
             backing.as_deref(),
             Some(image_path.as_os_str().as_bytes()),
             "bound to our image"
         );
-        let autoclear = std::fs::read_to_string(
-            paths.sys(attached.index).join("loop/autoclear"),
-        )
-        .expect("autoclear attr");
+        let autoclear = std::fs::read_to_string(paths.sys(attached.index).join("loop/autoclear"))
+            .expect("autoclear attr");
         assert_eq!(autoclear.trim(), "1");
 
         let index = attached.index;
         let device = attached.device.clone();
         drop(attached); // last close: autoclear unbinds
         assert_eq!(
-            detach_if_ours(&paths, index, &device, &image_path).expect("detach"),
+            detach_if_ours(&paths, index, &device, &image_path, false).expect("detach"),
             Detached::Autocleared
         );
         assert_eq!(sys_backing_file(&paths, index), None);
@@ -900,7 +935,9 @@ mod tests {
     /// about an image it is *not* bound to leaves it alone (L7).
     #[test]
     fn detach_clears_ours_and_leaves_others() {
-        let _lock = LOOP_LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _lock = LOOP_LOCK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !privileged() {
             return;
         }
@@ -914,7 +951,11 @@ mod tests {
             .arg(&image_path)
             .output()
             .expect("losetup runs");
-        assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "losetup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let device = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
         let index: u32 = device
             .to_string_lossy()
@@ -926,20 +967,23 @@ mod tests {
         struct Guard(PathBuf);
         impl Drop for Guard {
             fn drop(&mut self) {
-                let _ = std::process::Command::new("losetup").arg("-d").arg(&self.0).status();
+                let _ = std::process::Command::new("losetup")
+                    .arg("-d")
+                    .arg(&self.0)
+                    .status();
             }
         }
         let _guard = Guard(device.clone());
 
         let other = scratch.0.join("not-this-one");
         assert_eq!(
-            detach_if_ours(&paths, index, &device, &other).expect("no error"),
+            detach_if_ours(&paths, index, &device, &other, false).expect("no error"),
             Detached::Reused
         );
         assert!(sys_backing_file(&paths, index).is_some(), "left alone");
 
         assert_eq!(
-            detach_if_ours(&paths, index, &device, &image_path).expect("detach"),
+            detach_if_ours(&paths, index, &device, &image_path, false).expect("detach"),
             Detached::Cleared
         );
         assert_eq!(sys_backing_file(&paths, index), None);

@@ -13,8 +13,8 @@
 //! - `loopdev`: hand-written loop ioctls with util-linux's retry policy (the only
 //!   `unsafe` here).
 
-pub mod mkfs;
 mod loopdev;
+pub mod mkfs;
 pub mod mountinfo;
 
 use std::fs::{File, OpenOptions};
@@ -29,8 +29,8 @@ use nix::errno::Errno;
 use nix::mount::{MntFlags, MsFlags};
 use serde::{Deserialize, Serialize};
 
-pub use loopdev::{LoopError, SysDevError, parse_sys_dev, probe_loop_control};
 use loopdev::{Detached, LoopPaths, Strategy};
+pub use loopdev::{LoopError, SysDevError, parse_sys_dev, probe_loop_control};
 
 const PROC_MOUNTINFO: &str = "/proc/self/mountinfo";
 /// 20 GiB: sparse, so it only costs what dockerd writes.
@@ -384,8 +384,12 @@ fn prepare_with(
             }
             let fstype = entry.fstype.clone();
             match existing_fs_concern(&fstype) {
-                Some(concern) => tracing::warn!(mountpoint = %config.mountpoint.display(), %fstype, concern, "using existing mount for docker storage"),
-                None => tracing::info!(mountpoint = %config.mountpoint.display(), %fstype, "using existing mount for docker storage"),
+                Some(concern) => {
+                    tracing::warn!(mountpoint = %config.mountpoint.display(), %fstype, concern, "using existing mount for docker storage")
+                }
+                None => {
+                    tracing::info!(mountpoint = %config.mountpoint.display(), %fstype, "using existing mount for docker storage")
+                }
             }
             let prepared = Prepared::Existing { fstype };
             record_state(config, &prepared);
@@ -456,7 +460,7 @@ impl Undo {
         if let Some((index, device, fd)) = self.loop_device.take() {
             drop(fd);
             if let Some(image) = &self.image {
-                match loopdev::detach_if_ours(paths, index, &device, image) {
+                match loopdev::detach_if_ours(paths, index, &device, image, false) {
                     Ok(outcome) => tracing::debug!(?outcome, "rollback: loop device released"),
                     Err(error) => tracing::warn!(%error, "rollback: loop detach failed"),
                 }
@@ -497,12 +501,13 @@ fn create(
     let mkfs_ms = step.elapsed().as_millis();
 
     let step = Instant::now();
-    let attached = loopdev::attach(paths, &image, &config.image_path, strategy).map_err(
-        |source| StorageError::AttachLoop {
-            image: config.image_path.clone(),
-            source,
-        },
-    )?;
+    let attached =
+        loopdev::attach(paths, &image, &config.image_path, strategy).map_err(|source| {
+            StorageError::AttachLoop {
+                image: config.image_path.clone(),
+                source,
+            }
+        })?;
     drop(image); // the loop device holds its own reference now
     let attach_ms = step.elapsed().as_millis();
     let loopdev::Attached {
@@ -647,6 +652,10 @@ fn warn_about_backing_fs(dir: &Path, size: u64) {
         tracing::warn!(dir = %dir.display(), "image is on tmpfs: every block dockerd writes costs RAM");
     }
     if let Ok(vfs) = nix::sys::statvfs::statvfs(dir) {
+        #[allow(
+            clippy::useless_conversion,
+            reason = "fsblkcnt_t and c_ulong are narrower than u64 on 32-bit targets"
+        )]
         let free = u64::from(vfs.blocks_available()).saturating_mul(u64::from(vfs.fragment_size()));
         if free < size.min(FREE_SPACE_FLOOR) {
             tracing::warn!(dir = %dir.display(), free_bytes = free, image_bytes = size, "little free space under the image; docker will get I/O errors when it runs out");
@@ -672,7 +681,9 @@ fn format(config: &StorageConfig, runner: &mut dyn Runner) -> Result<(), Storage
             })?;
         if status.success() {
             if !prezeroed {
-                tracing::info!("mkfs.ext4 lacks assume_storage_prezeroed (e2fsprogs < 1.47); formatted without it");
+                tracing::info!(
+                    "mkfs.ext4 lacks assume_storage_prezeroed (e2fsprogs < 1.47); formatted without it"
+                );
             }
             return Ok(());
         }
@@ -722,9 +733,12 @@ fn cleanup_with(prepared: &Prepared, paths: &LoopPaths) -> Result<(), StorageErr
         }
     };
 
-    note(unmount_ours(mountpoint, loop_device));
+    let unmounted = unmount_ours(mountpoint, loop_device);
+    let lazily = matches!(unmounted, Ok(Unmounted::Lazily));
+    note(unmounted.map(drop));
+    let unmount_ms = started.elapsed().as_millis();
     note(
-        match loopdev::detach_if_ours(paths, *loop_index, loop_device, image_path) {
+        match loopdev::detach_if_ours(paths, *loop_index, loop_device, image_path, lazily) {
             Ok(Detached::Deferred) => {
                 tracing::warn!(device = %loop_device.display(), "loop device still in use (lazily unmounted); autoclear will detach it when released");
                 Ok(())
@@ -757,7 +771,11 @@ fn cleanup_with(prepared: &Prepared, paths: &LoopPaths) -> Result<(), StorageErr
             }
         }
     }
-    tracing::info!(elapsed_ms = started.elapsed().as_millis(), "storage cleaned up");
+    tracing::info!(
+        unmount_ms,
+        elapsed_ms = started.elapsed().as_millis(),
+        "storage cleaned up"
+    );
     first_error.map_or(Ok(()), Err)
 }
 
@@ -771,23 +789,28 @@ fn remove_file_if_present(path: &Path) -> io::Result<()> {
 /// Unmounts our mount at `mountpoint` if it is still there. Mounts below it (dockerd's
 /// overlay and shm mounts) live on our filesystem and would keep it busy, so they go
 /// first, deepest first. A foreign mount stacked on top of ours is not touched.
-fn unmount_ours(mountpoint: &Path, device: &Path) -> Result<(), StorageError> {
+fn unmount_ours(mountpoint: &Path, device: &Path) -> Result<Unmounted, StorageError> {
     let Some(resolved) = canonical(mountpoint)? else {
-        return Ok(());
+        return Ok(Unmounted::WasGone);
     };
     let entries = read_mountinfo()?;
-    let is_ours =
-        |entry: &mountinfo::MountEntry| entry.fstype == "ext4" && entry.source == device.as_os_str();
+    let is_ours = |entry: &mountinfo::MountEntry| {
+        entry.fstype == "ext4" && entry.source == device.as_os_str()
+    };
     match mountinfo::mount_at(&entries, &resolved) {
         Some(top) if is_ours(top) => {}
-        Some(_) if entries.iter().any(|e| e.mount_point == resolved && is_ours(e)) => {
+        Some(_)
+            if entries
+                .iter()
+                .any(|e| e.mount_point == resolved && is_ours(e)) =>
+        {
             return Err(StorageError::Covered {
                 mountpoint: mountpoint.to_path_buf(),
             });
         }
         _ => {
             tracing::warn!(mountpoint = %mountpoint.display(), "our storage mount is already gone");
-            return Ok(());
+            return Ok(Unmounted::WasGone);
         }
     }
     for sub in mountinfo::submounts_deepest_first(&entries, &resolved) {
@@ -799,29 +822,41 @@ fn unmount_ours(mountpoint: &Path, device: &Path) -> Result<(), StorageError> {
     unmount_retry(&resolved)
 }
 
+/// How an unmount ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unmounted {
+    Cleanly,
+    /// Still busy after the retries: detached with `MNT_DETACH`; the filesystem (and the
+    /// loop device, by autoclear) is released when its last user goes.
+    Lazily,
+    /// Nothing (of ours) was mounted there.
+    WasGone,
+}
+
 const UMOUNT_TRIES: u32 = 12;
 
-/// `umount2(path, 0)`, retrying EBUSY with a short growing backoff (~2 s in all), then
-/// `MNT_DETACH`: the mount disappears now and the filesystem (and with it the loop
-/// device, by autoclear) is released when its last user goes.
-fn unmount_retry(path: &Path) -> Result<(), StorageError> {
+/// `umount2(path, 0)`, retrying EBUSY with a short growing backoff (10 ms → 300 ms,
+/// ~2 s in all: long enough for just-killed processes to exit), then `MNT_DETACH`.
+fn unmount_retry(path: &Path) -> Result<Unmounted, StorageError> {
     let unmount_error = |source| StorageError::Unmount {
         mountpoint: path.to_path_buf(),
         source,
     };
     for attempt in 0..UMOUNT_TRIES {
         match nix::mount::umount2(path, MntFlags::empty()) {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(Unmounted::Cleanly),
             Err(Errno::EBUSY) => {
                 sleep(Duration::from_millis((10u64 << attempt.min(5)).min(300)));
             }
             // Not a mountpoint (any more): nothing to do.
-            Err(Errno::EINVAL) => return Ok(()),
+            Err(Errno::EINVAL) => return Ok(Unmounted::WasGone),
             Err(source) => return Err(unmount_error(source)),
         }
     }
     tracing::warn!(mountpoint = %path.display(), "still busy; detaching lazily (MNT_DETACH)");
-    nix::mount::umount2(path, MntFlags::MNT_DETACH).map_err(unmount_error)
+    nix::mount::umount2(path, MntFlags::MNT_DETACH)
+        .map(|()| Unmounted::Lazily)
+        .map_err(unmount_error)
 }
 
 #[cfg(test)]
@@ -846,45 +881,77 @@ mod tests {
             ("default", config(), None),
             (
                 "relative mountpoint",
-                StorageConfig { mountpoint: "var/lib/docker".into(), ..config() },
+                StorageConfig {
+                    mountpoint: "var/lib/docker".into(),
+                    ..config()
+                },
                 Some("must be an absolute path"),
             ),
             (
                 "relative image",
-                StorageConfig { image_path: "docker.img".into(), ..config() },
+                StorageConfig {
+                    image_path: "docker.img".into(),
+                    ..config()
+                },
                 Some("must be an absolute path"),
             ),
             (
                 "image inside mountpoint",
-                StorageConfig { image_path: "/var/lib/docker/docker.img".into(), ..config() },
+                StorageConfig {
+                    image_path: "/var/lib/docker/docker.img".into(),
+                    ..config()
+                },
                 Some("the image must not live inside the mountpoint it backs"),
             ),
             (
                 "image is the mountpoint",
-                StorageConfig { image_path: "/var/lib/docker".into(), ..config() },
+                StorageConfig {
+                    image_path: "/var/lib/docker".into(),
+                    ..config()
+                },
                 Some("the image must not live inside the mountpoint it backs"),
             ),
             (
                 "sibling with common string prefix is fine",
-                StorageConfig { image_path: "/var/lib/docker.img".into(), ..config() },
+                StorageConfig {
+                    image_path: "/var/lib/docker.img".into(),
+                    ..config()
+                },
                 None,
             ),
             (
                 "dotdot escape",
-                StorageConfig { image_path: "/var/lib/docker/../x.img".into(), ..config() },
+                StorageConfig {
+                    image_path: "/var/lib/docker/../x.img".into(),
+                    ..config()
+                },
                 Some("must not contain `..`"),
             ),
             (
                 "root mountpoint",
-                StorageConfig { mountpoint: "/".into(), image_path: "/x.img".into(), ..config() },
+                StorageConfig {
+                    mountpoint: "/".into(),
+                    image_path: "/x.img".into(),
+                    ..config()
+                },
                 Some("cannot mount storage over /"),
             ),
             (
                 "too small",
-                StorageConfig { size_bytes: MIN_SIZE_BYTES - 1, ..config() },
+                StorageConfig {
+                    size_bytes: MIN_SIZE_BYTES - 1,
+                    ..config()
+                },
                 Some("size must be at least 32 MiB"),
             ),
-            ("minimum", StorageConfig { size_bytes: MIN_SIZE_BYTES, ..config() }, None),
+            (
+                "minimum",
+                StorageConfig {
+                    size_bytes: MIN_SIZE_BYTES,
+                    ..config()
+                },
+                None,
+            ),
         ];
         for (name, c, expected) in cases {
             let got = match validate(&c) {
@@ -898,7 +965,14 @@ mod tests {
 
     #[test]
     fn existing_fs_table() {
-        let bad = ["overlay", "virtiofs", "9p", "fuse", "fuse.sshfs", "fuse.lxcfs"];
+        let bad = [
+            "overlay",
+            "virtiofs",
+            "9p",
+            "fuse",
+            "fuse.sshfs",
+            "fuse.lxcfs",
+        ];
         for fstype in bad {
             assert!(
                 existing_fs_concern(fstype).is_some_and(|c| c.contains("overlay2")),
@@ -906,7 +980,10 @@ mod tests {
             );
         }
         for fstype in ["tmpfs", "ramfs"] {
-            assert!(existing_fs_concern(fstype).is_some_and(|c| c.contains("RAM")), "{fstype}");
+            assert!(
+                existing_fs_concern(fstype).is_some_and(|c| c.contains("RAM")),
+                "{fstype}"
+            );
         }
         for fstype in ["ext4", "xfs", "btrfs", "fuseblk-not-really"] {
             assert_eq!(existing_fs_concern(fstype), None, "{fstype}");
@@ -923,8 +1000,11 @@ mod tests {
             created_mountpoint_dir: true,
             created_image: true,
         };
-        let json = serde_json::to_value(StateFile { version: STATE_VERSION, prepared: prepared.clone() })
-            .expect("encodes");
+        let json = serde_json::to_value(StateFile {
+            version: STATE_VERSION,
+            prepared: prepared.clone(),
+        })
+        .expect("encodes");
         assert_eq!(json["version"], 1);
         assert_eq!(json["kind"], "created");
         assert_eq!(json["loop_index"], 3);
@@ -934,10 +1014,15 @@ mod tests {
 
         let existing = serde_json::to_value(StateFile {
             version: STATE_VERSION,
-            prepared: Prepared::Existing { fstype: "xfs".into() },
+            prepared: Prepared::Existing {
+                fstype: "xfs".into(),
+            },
         })
         .expect("encodes");
-        assert_eq!(existing, serde_json::json!({"version": 1, "kind": "existing", "fstype": "xfs"}));
+        assert_eq!(
+            existing,
+            serde_json::json!({"version": 1, "kind": "existing", "fstype": "xfs"})
+        );
     }
 
     /// A runner that records argv and answers with canned statuses (no process spawned).
@@ -948,8 +1033,13 @@ mod tests {
     impl Runner for Scripted {
         fn run(&mut self, command: Command) -> io::Result<ExitStatus> {
             use std::os::unix::process::ExitStatusExt;
-            self.seen.push(command.get_args().map(ToOwned::to_owned).collect());
-            let code = if self.statuses.is_empty() { 0 } else { self.statuses.remove(0) };
+            self.seen
+                .push(command.get_args().map(ToOwned::to_owned).collect());
+            let code = if self.statuses.is_empty() {
+                0
+            } else {
+                self.statuses.remove(0)
+            };
             Ok(ExitStatus::from_raw(code << 8))
         }
     }
@@ -960,15 +1050,24 @@ mod tests {
         let prezeroed = mkfs::mkfs_args(&c.image_path, true);
         let plain = mkfs::mkfs_args(&c.image_path, false);
 
-        let mut ok = Scripted { seen: vec![], statuses: vec![0] };
+        let mut ok = Scripted {
+            seen: vec![],
+            statuses: vec![0],
+        };
         assert!(format(&c, &mut ok).is_ok());
         assert_eq!(ok.seen, vec![prezeroed.clone()]);
 
-        let mut old = Scripted { seen: vec![], statuses: vec![1, 0] };
+        let mut old = Scripted {
+            seen: vec![],
+            statuses: vec![1, 0],
+        };
         assert!(format(&c, &mut old).is_ok());
         assert_eq!(old.seen, vec![prezeroed.clone(), plain.clone()]);
 
-        let mut broken = Scripted { seen: vec![], statuses: vec![1, 1] };
+        let mut broken = Scripted {
+            seen: vec![],
+            statuses: vec![1, 1],
+        };
         match format(&c, &mut broken) {
             Err(StorageError::MkfsFailed { status, .. }) => assert_eq!(status.code(), Some(1)),
             other => panic!("expected MkfsFailed, got {other:?}"),

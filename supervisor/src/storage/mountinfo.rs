@@ -218,7 +218,8 @@ mod tests {
 
     #[test]
     fn parses_the_man_page_example() {
-        let e = one("36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue");
+        let e =
+            one("36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue");
         assert_eq!(
             e,
             MountEntry {
@@ -276,11 +277,11 @@ mod tests {
             (br"\040\040", b"  "),
             (br"\134", b"\\"),
             (br"\134040", b"\\040"), // an escaped backslash followed by digits
-            (br"\0", br"\0"),         // too short: literal
+            (br"\0", br"\0"),        // too short: literal
             (br"\04", br"\04"),
-            (br"\08x", br"\08x"),   // 8 is not octal
-            (br"\400", br"\400"),   // > 255: literal
-            (br"\377", b"\xff"),    // non-UTF-8 byte survives
+            (br"\08x", br"\08x"), // 8 is not octal
+            (br"\400", br"\400"), // > 255: literal
+            (br"\377", b"\xff"),  // non-UTF-8 byte survives
             (br"trail\\", br"trail\\"),
         ];
         for (input, expected) in cases {
@@ -315,31 +316,54 @@ mod tests {
     fn malformed_lines_are_errors_with_line_numbers() {
         let ok = "1 0 0:1 / / rw - ext4 /dev/vda rw\n";
         let cases: &[(&str, ParseError)] = &[
-            ("1 0 0:1 / /", ParseError::TooFewFields { line: 2, found: 5 }),
-            ("1 0 0:1 / / rw shared:1 ext4 /dev/vda rw", ParseError::MissingSeparator { line: 2 }),
+            (
+                "1 0 0:1 / /",
+                ParseError::TooFewFields { line: 2, found: 5 },
+            ),
+            (
+                "1 0 0:1 / / rw shared:1 ext4 /dev/vda rw",
+                ParseError::MissingSeparator { line: 2 },
+            ),
             (
                 "1 0 0:1 / / rw - ext4 /dev/vda",
                 ParseError::TooFewFieldsAfterSeparator { line: 2, found: 2 },
             ),
             (
                 "x 0 0:1 / / rw - ext4 /dev/vda rw",
-                ParseError::BadNumber { line: 2, field: "mount id", value: "x".into() },
+                ParseError::BadNumber {
+                    line: 2,
+                    field: "mount id",
+                    value: "x".into(),
+                },
             ),
             (
                 "1 -1 0:1 / / rw - ext4 /dev/vda rw",
-                ParseError::BadNumber { line: 2, field: "parent id", value: "-1".into() },
+                ParseError::BadNumber {
+                    line: 2,
+                    field: "parent id",
+                    value: "-1".into(),
+                },
             ),
             (
                 "1 0 01 / / rw - ext4 /dev/vda rw",
-                ParseError::BadDevice { line: 2, value: "01".into() },
+                ParseError::BadDevice {
+                    line: 2,
+                    value: "01".into(),
+                },
             ),
             (
                 "1 0 0:+1 / / rw - ext4 /dev/vda rw",
-                ParseError::BadDevice { line: 2, value: "0:+1".into() },
+                ParseError::BadDevice {
+                    line: 2,
+                    value: "0:+1".into(),
+                },
             ),
             (
                 "1 0 :1 / / rw - ext4 /dev/vda rw",
-                ParseError::BadDevice { line: 2, value: ":1".into() },
+                ParseError::BadDevice {
+                    line: 2,
+                    value: ":1".into(),
+                },
             ),
         ];
         for (bad, expected) in cases {
@@ -382,10 +406,13 @@ mod tests {
             ("/dev/", Some((102, "tmpfs"))), // trailing slash is the same path
             ("/var/lib/docker", Some((104, "ext4"))), // top of the stack, not 103
             ("/var/lib/dockerx", Some((108, "tmpfs"))),
-            ("/var/lib/docker/overlay2/abc/merged", Some((105, "overlay"))),
-            ("/var/lib", None),                  // a prefix of a mountpoint is not one
-            ("/var/lib/dock", None),             // string prefix, not a component
-            ("/var/lib/docker/overlay2", None),  // inside a mount, not at one
+            (
+                "/var/lib/docker/overlay2/abc/merged",
+                Some((105, "overlay")),
+            ),
+            ("/var/lib", None),      // a prefix of a mountpoint is not one
+            ("/var/lib/dock", None), // string prefix, not a component
+            ("/var/lib/docker/overlay2", None), // inside a mount, not at one
             ("/with space", Some((109, "tmpfs"))),
             ("/with\\040space", None),
         ];

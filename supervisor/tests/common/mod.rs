@@ -4,6 +4,8 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod workload;
+
 use std::{
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
@@ -36,12 +38,13 @@ pub fn run_as_subreaper(state: &Path, extra: &[&str], job: &str) -> Command {
 }
 
 fn base_args(state: &Path, extra: &[&str], job: &str) -> Vec<String> {
-    let mut args: Vec<String> = vec![
-        "run".into(),
-        "--identity=false".into(),
-        "--docker=false".into(),
-        format!("--state-dir={}", state.display()),
-    ];
+    let mut args: Vec<String> = vec!["run".into(), format!("--state-dir={}", state.display())];
+    for default in ["--identity=false", "--docker=false"] {
+        let flag = default.split('=').next().unwrap_or(default);
+        if !extra.iter().any(|e| e.starts_with(flag)) {
+            args.push(default.into());
+        }
+    }
     args.extend(extra.iter().map(|s| (*s).to_owned()));
     args.extend(["--".into(), "sh".into(), "-c".into(), job.to_owned()]);
     args
