@@ -162,9 +162,9 @@ fn loop_devices(loop_control: &Path) -> Outcome {
             "the environment must be privileged (or allow c 10:237 and b 7:* with CAP_MKNOD) for loop-backed storage; or mount an emptyDir at /var/lib/docker",
         ),
         Ok(meta) if !meta.file_type().is_char_device() => Outcome::fail(ID, format!("{} is not a character device", loop_control.display()), "it must be c 10:237"),
-        Ok(_) => match probe_loop_control(loop_control) {
-            Ok(free) => Outcome::pass(ID, format!("{} answers; next free loop device {free}", loop_control.display())),
-            Err(error) => Outcome::fail(ID, format!("{} does not work: {error}", loop_control.display()), "the device cgroup must allow c 10:237 rwm and b 7:* rwm"),
+        Ok(_) => match storage::probe_loop_control(loop_control) {
+            Ok(free) => Outcome::pass(ID, format!("{} answers; next free loop device /dev/loop{free}", loop_control.display())),
+            Err(error) => Outcome::fail(ID, format!("{} does not work: {}", loop_control.display(), crate::error_chain(&error)), "the device cgroup must allow c 10:237 rwm and b 7:* rwm"),
         },
     }
 }
@@ -271,16 +271,3 @@ fn zombies() -> Outcome {
     }
 }
 
-/// Opens loop-control and asks for a free index (LOOP_CTL_GET_FREE), as storage
-/// does before attaching; reading it changes nothing.
-fn probe_loop_control(loop_control: &Path) -> Result<String, std::io::Error> {
-    use std::os::fd::AsRawFd;
-    const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(loop_control)?;
-    // SAFETY: LOOP_CTL_GET_FREE takes no argument and only returns an index.
-    let index = unsafe { libc::ioctl(file.as_raw_fd(), LOOP_CTL_GET_FREE as _) };
-    if index < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(format!("/dev/loop{index}"))
-}

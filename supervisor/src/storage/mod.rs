@@ -347,7 +347,8 @@ fn write_state(path: &Path, prepared: &Prepared) -> Result<(), StorageError> {
 }
 
 /// The state file is advisory (doctor, re-runs): storage works without it, so failing
-/// to write it is logged, not fatal.
+/// to write it is logged, not fatal. `cleanup` leaves it in place (`Prepared` does not
+/// carry its path); readers must confirm it against sysfs/mountinfo, as `adopt` does.
 fn record_state(config: &StorageConfig, prepared: &Prepared) {
     if let Err(error) = write_state(&config.state_file, prepared) {
         tracing::warn!(error = %error, cause = %error_source(&error), "storage state not recorded");
@@ -382,6 +383,10 @@ fn prepare_with(
                 tracing::info!(mountpoint = %config.mountpoint.display(), "storage already prepared by this supervisor; reusing it");
                 return Ok(ours);
             }
+            // Deviation from L1, which skips only for overlay-capable types: any existing
+            // mount is used as is, with a warning for poor types. Mounting ext4 over a
+            // volume someone deliberately put here would hide it; the warning (and
+            // `doctor`'s storage check) makes the degradation visible instead.
             let fstype = entry.fstype.clone();
             match existing_fs_concern(&fstype) {
                 Some(concern) => {
@@ -645,6 +650,8 @@ fn create_image(path: &Path, size: u64) -> Result<File, StorageError> {
 }
 
 /// L3 advice: the image lives on this filesystem; warn if it is RAM or nearly full.
+/// (L3 says "not tmpfs unless configured"; the config has no such switch, so this only
+/// warns rather than refusing a placement the operator chose.)
 fn warn_about_backing_fs(dir: &Path, size: u64) {
     if let Ok(fs) = nix::sys::statfs::statfs(dir)
         && fs.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC

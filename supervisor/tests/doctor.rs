@@ -1,0 +1,143 @@
+//! `supervisor doctor` in deliberately broken environments: each check fails with the
+//! expected reason and hint, the others keep running, `--json` parses, and the exit
+//! code is non-zero when anything failed.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Command;
+
+use common::{workload::{FakeWorkloadApi, Offer}, *};
+use serde_json::Value;
+
+const EXPECTED: &str = "spiffe://example.org/ci/owner/repo/build";
+
+fn doctor(args: &[String]) -> (i32, Value) {
+    let output = Command::new(SUPERVISOR)
+        .arg("doctor")
+        .arg("--json")
+        .args(args)
+        .env_remove("SPIFFE_ENDPOINT_SOCKET")
+        .env_remove("CI_SPIFFE_ID")
+        .env_remove("CI_RUNNER_FACADE_URL")
+        .output()
+        .unwrap();
+    let json: Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("--json is not JSON ({e}): {}", String::from_utf8_lossy(&output.stdout)));
+    (output.status.code().unwrap(), json)
+}
+
+fn check<'a>(report: &'a Value, id: &str) -> &'a Value {
+    report["checks"].as_array().unwrap().iter().find(|c| c["id"] == id).unwrap_or_else(|| panic!("no check {id}: {report}"))
+}
+
+fn assert_check(report: &Value, id: &str, status: &str, reason: &str, hint: &str) {
+    let c = check(report, id);
+    assert_eq!(c["status"], status, "{id}: {c}");
+    assert!(c["reason"].as_str().unwrap().contains(reason), "{id} reason lacks {reason:?}: {c}");
+    if !hint.is_empty() {
+        assert!(c["hint"].as_str().unwrap_or("").contains(hint), "{id} hint lacks {hint:?}: {c}");
+    }
+}
+
+fn broken_paths(dir: &std::path::Path) -> Vec<String> {
+    vec![
+        format!("--docker-data-root={}", dir.join("docker").display()),
+        format!("--docker-socket={}", dir.join("docker.sock").display()),
+        format!("--dockerd-log={}", dir.join("dockerd.log").display()),
+        format!("--loop-control={}", dir.join("loop-control").display()),
+        format!("--runner={}", dir.join("gitea-runner").display()),
+    ]
+}
+
+#[test]
+fn every_check_reports_its_own_failure_and_keeps_going() {
+    let dir = scratch();
+    std::fs::write(dir.path().join("dockerd.log"), "level=info msg=\"Starting up\"\nfailed to start daemon: error initializing graphdriver: driver not supported\n").unwrap();
+    let mut args = broken_paths(dir.path());
+    args.push("--spiffe-endpoint=unix:///nonexistent/api.sock".into());
+    args.push(format!("--spiffe-id={EXPECTED}"));
+    let (code, report) = doctor(&args);
+    assert_eq!(code, 1);
+    // The test runs on a host whose PID 1 is not the supervisor.
+    assert_check(&report, "pid1", "FAIL", "not the supervisor", "ENTRYPOINT");
+    assert_check(&report, "identity-socket", "FAIL", "no Workload API socket at /nonexistent/api.sock", "mount the SPIRE agent's socket");
+    assert_check(&report, "svid", "SKIP", "unreachable", "");
+    assert_check(&report, "loop-devices", "FAIL", "loop-control is unusable", "privileged");
+    assert_check(&report, "storage", "FAIL", "is not a mountpoint", "");
+    assert_check(&report, "dockerd", "FAIL", "driver not supported", "read its log");
+    assert_check(&report, "runner", "FAIL", "not found", "gitea-runner");
+    assert_check(&report, "facade", "SKIP", "CI_RUNNER_FACADE_URL is not set", "");
+    assert_check(&report, "environment", "PASS", "set", "");
+    assert_eq!(report["failed"].as_u64().unwrap() as usize, report["checks"].as_array().unwrap().iter().filter(|c| c["status"] == "FAIL").count());
+}
+
+#[test]
+fn missing_environment_variables_are_named() {
+    let dir = scratch();
+    let (code, report) = doctor(&broken_paths(dir.path()));
+    assert_eq!(code, 1);
+    assert_check(&report, "environment", "FAIL", "CI_SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET", "SUPERVISOR_IDENTITY=false");
+    let mut args = broken_paths(dir.path());
+    args.push("--identity=false".into());
+    let (_, report) = doctor(&args);
+    assert_check(&report, "environment", "PASS", "", "");
+    assert_check(&report, "svid", "SKIP", "identity is off", "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_svid_is_named_with_what_was_offered() {
+    let dir = scratch();
+    let fake = FakeWorkloadApi::start(dir.path()).await;
+    fake.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/other/build".into()]));
+    let mut args = broken_paths(dir.path());
+    args.push(format!("--spiffe-endpoint={}", fake.endpoint()));
+    args.push(format!("--spiffe-id={EXPECTED}"));
+    let (code, report) = tokio::task::spawn_blocking(move || doctor(&args)).await.unwrap();
+    assert_eq!(code, 1);
+    assert_check(&report, "identity-socket", "PASS", "accepts connections", "");
+    assert_check(&report, "svid", "FAIL", "not the expected spiffe://example.org/ci/owner/repo/build", "unix:uid:0");
+    assert!(check(&report, "svid")["reason"].as_str().unwrap().contains("spiffe://example.org/ci/owner/other/build"));
+
+    fake.set(Offer::Ids(vec![EXPECTED.into()]));
+    let mut args = broken_paths(dir.path());
+    args.push(format!("--spiffe-endpoint={}", fake.endpoint()));
+    args.push(format!("--spiffe-id={EXPECTED}"));
+    let (_, report) = tokio::task::spawn_blocking(move || doctor(&args)).await.unwrap();
+    assert_check(&report, "svid", "PASS", EXPECTED, "");
+
+    fake.set(Offer::Refuse);
+    let mut args = broken_paths(dir.path());
+    args.push(format!("--spiffe-endpoint={}", fake.endpoint()));
+    args.push(format!("--spiffe-id={EXPECTED}"));
+    let (_, report) = tokio::task::spawn_blocking(move || doctor(&args)).await.unwrap();
+    assert_check(&report, "svid", "FAIL", "no identity issued", "matching uid 0");
+}
+
+#[test]
+fn a_healthy_loop_control_passes_and_text_output_has_a_summary() {
+    let dir = scratch();
+    let mut args = broken_paths(dir.path());
+    args.retain(|a| !a.starts_with("--loop-control"));
+    let (_, report) = doctor(&args);
+    assert_check(&report, "loop-devices", "PASS", "next free loop device /dev/loop", "");
+    let output = Command::new(SUPERVISOR).arg("doctor").args(&args).output().unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("PASS  loop-devices"), "{text}");
+    assert!(text.lines().any(|l| l.ends_with("skipped") && l.contains("passed,")), "{text}");
+}
+
+#[test]
+fn doctor_inside_a_supervised_environment_sees_pid1_and_dockerd() {
+    // doctor runs as the job (uid 2000) inside the supervisor's PID namespace.
+    let dir = scratch();
+    let out = dir.path().join("report.json");
+    let job = format!("{SUPERVISOR} doctor --json --identity=false --docker=false > {} || true", out.display());
+    let status = run_as_pid1(&dir.path().join("state"), &[], &job).status().unwrap();
+    assert!(status.success());
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_check(&report, "pid1", "PASS", "PID 1 is the supervisor", "");
+    assert_check(&report, "zombies", "PASS", "no zombie", "");
+    assert_check(&report, "dockerd", "SKIP", "Docker is off", "");
+}
