@@ -1,0 +1,564 @@
+//! The embedded backend (redb); see the module docs of `store`.
+//!
+//! One redb file holds three tables:
+//!
+//! - `records`: assignment id → (revision, [`Record`] as JSON). The revision starts at 1
+//!   and grows by one per update; [`Store::update`] is a compare-and-set on it.
+//! - `queue`: (placement, sequence) → (assignment id, deliveries so far). One table keyed
+//!   by placement first, so each placement is its own FIFO range. An entry lives until it
+//!   is acknowledged; there is no "delivered" flag on disk.
+//! - `meta`: counters; `queue_seq` is the last sequence handed out (sequences are unique
+//!   across placements, so in memory a sequence alone names a queue entry).
+//!
+//! Which entries are in flight (delivered, not yet acknowledged) and which were given
+//! back with a delay is kept in memory only: redb allows one writer process per file, so
+//! no other process can hold a delivery. After a crash or restart everything on disk is
+//! deliverable again at once, which is exactly "un-acked deliveries come again". Within
+//! one process a delivery that is neither acknowledged nor given back within the ack
+//! wait (default 30 s, [`Embedded::with_ack_wait`]) is delivered again, like JetStream's
+//! `AckWait`.
+//!
+//! Blocking: every write transaction runs in `spawn_blocking`, because its commit waits
+//! for `fsync` and `begin_write` waits for any other writer. Read transactions (`get`,
+//! `queue_depth` and the scan in `next`) run inline: they never wait for a writer (redb
+//! readers see the last committed snapshot) and touch a handful of pages, so they take
+//! microseconds. `list` reads every record, so it also goes to `spawn_blocking`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{Consumer, Delivery, Record, Store, StoreError, Versioned};
+
+/// assignment id → (revision, record as JSON).
+const RECORDS: TableDefinition<&str, (u64, &[u8])> = TableDefinition::new("records");
+/// (placement, sequence) → (assignment id, deliveries so far).
+const QUEUE: TableDefinition<(&str, u64), (&str, u64)> = TableDefinition::new("queue");
+/// counter name → value.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const QUEUE_SEQ: &str = "queue_seq";
+
+/// JetStream's default `AckWait`, so both backends behave alike out of the box.
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// The redb store. Cheap to share behind an `Arc<dyn Store>`; consumers and deliveries
+/// keep the file open until they are dropped too.
+pub struct Embedded {
+    shared: Arc<Shared>,
+    ack_wait: Duration,
+}
+
+impl std::fmt::Debug for Embedded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Embedded")
+            .field("path", &self.shared.path)
+            .field("ack_wait", &self.ack_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Embedded {
+    /// Opens (or creates) the store file and its tables. Synchronous: it is called once at
+    /// start-up, before any consumer runs.
+    ///
+    /// # Errors
+    /// `Unavailable` when the file cannot be opened (e.g. another process holds it) or
+    /// the tables cannot be created.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let db = Database::create(path).ctx(|| format!("opening redb store {}", path.display()))?;
+        // Create the tables up front so read transactions never meet a missing table.
+        let txn = db.begin_write().ctx(|| format!("initialising redb store {}", path.display()))?;
+        {
+            txn.open_table(RECORDS).ctx(|| "creating table records".into())?;
+            txn.open_table(QUEUE).ctx(|| "creating table queue".into())?;
+            txn.open_table(META).ctx(|| "creating table meta".into())?;
+        }
+        txn.commit().ctx(|| format!("initialising redb store {}", path.display()))?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                db,
+                path: path.to_owned(),
+                flights: Mutex::new(Flights::default()),
+                notify: Notify::new(),
+            }),
+            ack_wait: DEFAULT_ACK_WAIT,
+        })
+    }
+
+    /// How long a delivery may stay unacknowledged before it is delivered again.
+    /// Applies to consumers created afterwards.
+    #[must_use]
+    pub fn with_ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+}
+
+/// State shared by the store, its consumers and their deliveries.
+struct Shared {
+    db: Database,
+    path: PathBuf,
+    flights: Mutex<Flights>,
+    /// Woken on everything that can make a delivery possible: persist, ack, nak and a
+    /// change of a consumer's limit. Waiters re-check and otherwise sleep until the
+    /// earliest nak delay or ack wait ends, so nothing polls.
+    notify: Notify,
+}
+
+impl Shared {
+    fn flights(&self) -> MutexGuard<'_, Flights> {
+        // The data stays consistent even if a holder panicked: every critical section
+        // is a handful of map operations.
+        self.flights.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// In-memory delivery state, keyed by queue sequence.
+#[derive(Default)]
+struct Flights {
+    in_flight: HashMap<u64, Flight>,
+    /// Given back with a delay: sequence → (placement, deliverable again at).
+    delayed: HashMap<u64, (String, Instant)>,
+    /// Placement → max in flight, set by the latest `consumer()` for it (like updating
+    /// a durable JetStream consumer's MaxAckPending).
+    limits: HashMap<String, usize>,
+    next_token: u64,
+}
+
+struct Flight {
+    placement: String,
+    /// Tells this delivery apart from a later redelivery of the same entry, so a late
+    /// nak of an expired delivery cannot release the new one.
+    token: u64,
+    deadline: Instant,
+}
+
+impl Flights {
+    fn expire(&mut self, now: Instant) {
+        self.in_flight.retain(|_, flight| flight.deadline > now);
+        self.delayed.retain(|_, (_, until)| *until > now);
+    }
+
+    /// The earliest moment something of `placement` may become deliverable without a
+    /// notification: an ack wait or a nak delay ending.
+    fn next_change(&self, placement: &str) -> Option<Instant> {
+        let deadlines = self.in_flight.values().filter(|f| f.placement == placement).map(|f| f.deadline);
+        let delays = self.delayed.values().filter(|(p, _)| p == placement).map(|(_, until)| *until);
+        deadlines.chain(delays).min()
+    }
+}
+
+/// What one attempt to take a delivery found.
+enum Take {
+    Got(EmbeddedDelivery),
+    /// Nothing deliverable now; re-check on a notification or at this moment.
+    Wait(Option<Instant>),
+}
+
+/// Runs a blocking closure on the blocking pool, mapping a panic or cancellation of it
+/// to `Unavailable`.
+async fn blocking<T, F>(what: &str, f: F) -> Result<T, StoreError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Unavailable {
+        context: format!("redb {what}: blocking task failed"),
+        source: Box::new(e),
+    })?
+}
+
+/// Adds a context to redb errors.
+trait Ctx<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, StoreError>;
+}
+
+impl<T, E: Into<redb::Error>> Ctx<T> for Result<T, E> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T, StoreError> {
+        self.map_err(|e| StoreError::Unavailable { context: context(), source: Box::new(e.into()) })
+    }
+}
+
+fn decode(key: &str, bytes: &[u8]) -> Result<Record, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt { key: key.to_owned(), reason: e.to_string() })
+}
+
+fn encode(record: &Record) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(record)
+        .map_err(|e| StoreError::Corrupt { key: record.assignment_id.clone(), reason: format!("cannot encode: {e}") })
+}
+
+/// The transition rule shared by both backends: a record may move along
+/// [`State::can_become`], or be rewritten in the same state (same variant: adding
+/// `environment`, or a recovering controller re-claiming with another holder).
+pub(super) fn check_transition(current: &Record, next: &Record) -> Result<(), StoreError> {
+    let same_state = std::mem::discriminant(&current.state) == std::mem::discriminant(&next.state);
+    if same_state || current.state.can_become(&next.state) {
+        Ok(())
+    } else {
+        Err(StoreError::InvalidTransition {
+            assignment_id: next.assignment_id.clone(),
+            from: current.state.clone(),
+            to: next.state.clone(),
+        })
+    }
+}
+
+fn persist_blocking(db: &Database, record: &Record, value: &[u8]) -> Result<bool, StoreError> {
+    let id = record.assignment_id.as_str();
+    let what = || format!("persisting {id}");
+    // One write transaction for record and queue entry: after a crash either both exist
+    // or neither, so a repeated persist has nothing to complete and enqueues nothing.
+    let txn = db.begin_write().ctx(what)?;
+    {
+        let mut records = txn.open_table(RECORDS).ctx(what)?;
+        if records.get(id).ctx(what)?.is_some() {
+            drop(records);
+            txn.abort().ctx(what)?;
+            return Ok(false);
+        }
+        records.insert(id, (1, value)).ctx(what)?;
+        let mut meta = txn.open_table(META).ctx(what)?;
+        let seq = meta.get(QUEUE_SEQ).ctx(what)?.map_or(0, |g| g.value()) + 1;
+        meta.insert(QUEUE_SEQ, seq).ctx(what)?;
+        let mut queue = txn.open_table(QUEUE).ctx(what)?;
+        queue.insert((record.placement.as_str(), seq), (id, 0)).ctx(what)?;
+    }
+    txn.commit().ctx(what)?;
+    Ok(true)
+}
+
+fn update_blocking(db: &Database, record: &Record, value: &[u8], expected: u64) -> Result<u64, StoreError> {
+    let id = record.assignment_id.as_str();
+    let what = || format!("updating {id}");
+    let txn = db.begin_write().ctx(what)?;
+    let revision = {
+        let mut records = txn.open_table(RECORDS).ctx(what)?;
+        let current = records.get(id).ctx(what)?.map(|g| {
+            let (revision, bytes) = g.value();
+            (revision, bytes.to_vec())
+        });
+        let Some((revision, bytes)) = current else {
+            return Err(StoreError::NotFound(id.to_owned()));
+        };
+        if revision != expected {
+            return Err(StoreError::Conflict { assignment_id: id.to_owned(), expected });
+        }
+        check_transition(&decode(id, &bytes)?, record)?;
+        records.insert(id, (revision + 1, value)).ctx(what)?;
+        revision + 1
+    };
+    txn.commit().ctx(what)?;
+    Ok(revision)
+}
+
+/// Counts one more delivery of a queue entry; `None` if it was acknowledged meanwhile.
+/// Committed without fsync: the count is a diagnostic (the attempt number). The next
+/// durable commit (any persist, update or ack) writes it, and so does redb when the
+/// database is closed cleanly; a crash may lose the latest counts, never an entry.
+fn count_delivery(db: &Database, placement: &str, seq: u64) -> Result<Option<u64>, StoreError> {
+    let what = || format!("counting a delivery of {placement}#{seq}");
+    let mut txn = db.begin_write().ctx(what)?;
+    txn.set_durability(Durability::None).ctx(what)?;
+    let attempt = {
+        let mut queue = txn.open_table(QUEUE).ctx(what)?;
+        let current = queue.get((placement, seq)).ctx(what)?.map(|g| {
+            let (id, deliveries) = g.value();
+            (id.to_owned(), deliveries)
+        });
+        match current {
+            None => None,
+            Some((id, deliveries)) => {
+                queue.insert((placement, seq), (id.as_str(), deliveries + 1)).ctx(what)?;
+                Some(deliveries + 1)
+            }
+        }
+    };
+    txn.commit().ctx(what)?;
+    Ok(attempt)
+}
+
+fn ack_blocking(db: &Database, placement: &str, seq: u64) -> Result<(), StoreError> {
+    let what = || format!("acknowledging {placement}#{seq}");
+    let txn = db.begin_write().ctx(what)?;
+    {
+        let mut queue = txn.open_table(QUEUE).ctx(what)?;
+        // Already gone is fine: a late ack of an expired delivery whose redelivery was
+        // acknowledged first.
+        queue.remove((placement, seq)).ctx(what)?;
+    }
+    txn.commit().ctx(what)?;
+    Ok(())
+}
+
+#[async_trait]
+impl Store for Embedded {
+    async fn persist(&self, record: &Record) -> Result<bool, StoreError> {
+        let value = encode(record)?;
+        let shared = Arc::clone(&self.shared);
+        let record = record.clone();
+        let created = blocking("persist", move || persist_blocking(&shared.db, &record, &value)).await?;
+        if created {
+            self.shared.notify.notify_waiters();
+        }
+        Ok(created)
+    }
+
+    async fn get(&self, assignment_id: &str) -> Result<Option<Versioned<Record>>, StoreError> {
+        // Inline read transaction (see the module docs).
+        let what = || format!("reading {assignment_id}");
+        let txn = self.shared.db.begin_read().ctx(what)?;
+        let records = txn.open_table(RECORDS).ctx(what)?;
+        let Some(guard) = records.get(assignment_id).ctx(what)? else {
+            return Ok(None);
+        };
+        let (revision, bytes) = guard.value();
+        Ok(Some(Versioned { value: decode(assignment_id, bytes)?, revision }))
+    }
+
+    async fn update(&self, record: &Record, expected: u64) -> Result<u64, StoreError> {
+        let value = encode(record)?;
+        let shared = Arc::clone(&self.shared);
+        let record = record.clone();
+        blocking("update", move || update_blocking(&shared.db, &record, &value, expected)).await
+    }
+
+    async fn list(&self) -> Result<Vec<Versioned<Record>>, StoreError> {
+        let shared = Arc::clone(&self.shared);
+        blocking("list", move || {
+            let what = || "listing records".to_owned();
+            let txn = shared.db.begin_read().ctx(what)?;
+            let records = txn.open_table(RECORDS).ctx(what)?;
+            let mut out = Vec::new();
+            for item in records.iter().ctx(what)? {
+                let (key, value) = item.ctx(what)?;
+                let (revision, bytes) = value.value();
+                out.push(Versioned { value: decode(key.value(), bytes)?, revision });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Entries of the placement that were never delivered: the same figure as the
+    /// JetStream consumer's `num_pending` (entries given back with `nak` or waiting for
+    /// redelivery are not counted).
+    async fn queue_depth(&self, placement: &str) -> Result<u64, StoreError> {
+        // Inline read transaction (see the module docs); a linear scan of one placement's
+        // range, which holds at most the assignments waiting for that pool.
+        let what = || format!("counting the queue of {placement}");
+        let txn = self.shared.db.begin_read().ctx(what)?;
+        let queue = txn.open_table(QUEUE).ctx(what)?;
+        let mut depth = 0;
+        for item in queue.range((placement, 0)..=(placement, u64::MAX)).ctx(what)? {
+            let (_, value) = item.ctx(what)?;
+            if value.value().1 == 0 {
+                depth += 1;
+            }
+        }
+        Ok(depth)
+    }
+
+    async fn consumer(&self, placement: &str, max_in_flight: usize) -> Result<Box<dyn Consumer>, StoreError> {
+        // At least one: a consumer that may hold nothing would never deliver.
+        let max_in_flight = max_in_flight.max(1);
+        self.shared.flights().limits.insert(placement.to_owned(), max_in_flight);
+        // A raised limit may allow deliveries that waiting consumers could not take.
+        self.shared.notify.notify_waiters();
+        Ok(Box::new(EmbeddedConsumer {
+            shared: Arc::clone(&self.shared),
+            placement: placement.to_owned(),
+            max_in_flight,
+            ack_wait: self.ack_wait,
+        }))
+    }
+}
+
+struct EmbeddedConsumer {
+    shared: Arc<Shared>,
+    placement: String,
+    /// Fallback for the shared per-placement limit (which the latest `consumer()` sets).
+    max_in_flight: usize,
+    ack_wait: Duration,
+}
+
+impl EmbeddedConsumer {
+    /// Marks the oldest deliverable entry of the placement as in flight, if the limit
+    /// allows, then counts the delivery on disk.
+    async fn take(&self) -> Result<Take, StoreError> {
+        let now = Instant::now();
+        let (seq, assignment_id, token) = {
+            let mut flights = self.shared.flights();
+            flights.expire(now);
+            let wake = flights.next_change(&self.placement);
+            let limit = flights.limits.get(&self.placement).copied().unwrap_or(self.max_in_flight);
+            let busy = flights.in_flight.values().filter(|f| f.placement == self.placement).count();
+            if busy >= limit {
+                return Ok(Take::Wait(wake));
+            }
+            // Inline read transaction under the (std) mutex: it is short (see the module
+            // docs) and holding the mutex makes "find a free entry and mark it" atomic
+            // for consumers of the same placement.
+            let what = || format!("reading the queue of {}", self.placement);
+            let txn = self.shared.db.begin_read().ctx(what)?;
+            let queue = txn.open_table(QUEUE).ctx(what)?;
+            let mut found = None;
+            for item in queue.range((self.placement.as_str(), 0)..=(self.placement.as_str(), u64::MAX)).ctx(what)? {
+                let (key, value) = item.ctx(what)?;
+                let seq = key.value().1;
+                if !flights.in_flight.contains_key(&seq) && !flights.delayed.contains_key(&seq) {
+                    found = Some((seq, value.value().0.to_owned()));
+                    break;
+                }
+            }
+            let Some((seq, assignment_id)) = found else {
+                return Ok(Take::Wait(wake));
+            };
+            flights.next_token += 1;
+            let token = flights.next_token;
+            let flight = Flight { placement: self.placement.clone(), token, deadline: now + self.ack_wait };
+            flights.in_flight.insert(seq, flight);
+            (seq, assignment_id, token)
+        };
+        let shared = Arc::clone(&self.shared);
+        let placement = self.placement.clone();
+        let counted = blocking("delivery", move || count_delivery(&shared.db, &placement, seq)).await;
+        match counted {
+            Ok(Some(attempt)) => Ok(Take::Got(EmbeddedDelivery {
+                shared: Arc::clone(&self.shared),
+                placement: self.placement.clone(),
+                seq,
+                token,
+                assignment_id,
+                attempt,
+            })),
+            other => {
+                // Acknowledged meanwhile (a late ack of an earlier delivery), or the count
+                // failed: release the slot so the entry is not stuck until the ack wait.
+                release(&self.shared, seq, token);
+                other.map(|_| Take::Wait(Some(now)))
+            }
+        }
+    }
+}
+
+/// Frees an in-flight slot if it still belongs to the delivery holding `token`.
+fn release(shared: &Shared, seq: u64, token: u64) -> bool {
+    let mut flights = shared.flights();
+    if flights.in_flight.get(&seq).is_some_and(|f| f.token == token) {
+        flights.in_flight.remove(&seq);
+        true
+    } else {
+        false
+    }
+}
+
+#[async_trait]
+impl Consumer for EmbeddedConsumer {
+    async fn next(&mut self, wait: Duration) -> Result<Option<Box<dyn Delivery>>, StoreError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            // Register for notifications before looking, so a persist between the look
+            // and the wait is not missed.
+            let notified = self.shared.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let wake = match self.take().await? {
+                Take::Got(delivery) => return Ok(Some(Box::new(delivery))),
+                Take::Wait(wake) => wake,
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            let until = wake.map_or(deadline, |w| w.min(deadline));
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+}
+
+struct EmbeddedDelivery {
+    shared: Arc<Shared>,
+    placement: String,
+    seq: u64,
+    token: u64,
+    assignment_id: String,
+    attempt: u64,
+}
+
+#[async_trait]
+impl Delivery for EmbeddedDelivery {
+    fn assignment_id(&self) -> &str {
+        &self.assignment_id
+    }
+
+    fn attempt(&self) -> u64 {
+        self.attempt
+    }
+
+    /// In memory only, like a JetStream nak (which the server does not confirm): after a
+    /// restart the entry is deliverable at once.
+    async fn nak(self: Box<Self>, delay: Duration) -> Result<(), StoreError> {
+        if release(&self.shared, self.seq, self.token) && !delay.is_zero() {
+            let until = Instant::now() + delay;
+            self.shared.flights().delayed.insert(self.seq, (self.placement.clone(), until));
+        }
+        self.shared.notify.notify_waiters();
+        Ok(())
+    }
+
+    async fn ack(self: Box<Self>) -> Result<(), StoreError> {
+        let shared = Arc::clone(&self.shared);
+        let placement = self.placement.clone();
+        let seq = self.seq;
+        blocking("ack", move || ack_blocking(&shared.db, &placement, seq)).await?;
+        {
+            // The entry is gone, so whichever delivery of it holds the slot frees it.
+            let mut flights = self.shared.flights();
+            flights.in_flight.remove(&self.seq);
+            flights.delayed.remove(&self.seq);
+        }
+        self.shared.notify.notify_waiters();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::State;
+
+    fn record(state: State) -> Record {
+        Record {
+            assignment_id: "gitea-task-1".into(),
+            placement: "container.docker".into(),
+            state,
+            envelope: vec![],
+            environment: None,
+            updated_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn transitions() {
+        let pending = record(State::Pending);
+        let claimed = record(State::Claimed { holder: "a".into(), claimed_at_ms: 1 });
+        let reclaimed = record(State::Claimed { holder: "b".into(), claimed_at_ms: 2 });
+        let terminal = record(State::Terminal { result: "RESULT_SUCCESS".into() });
+        assert!(check_transition(&pending, &claimed).is_ok());
+        assert!(check_transition(&claimed, &reclaimed).is_ok());
+        assert!(check_transition(&claimed, &terminal).is_ok());
+        assert!(check_transition(&pending, &pending).is_ok());
+        assert!(matches!(check_transition(&terminal, &pending), Err(StoreError::InvalidTransition { .. })));
+        assert!(matches!(check_transition(&claimed, &pending), Err(StoreError::InvalidTransition { .. })));
+    }
+}

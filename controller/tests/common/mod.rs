@@ -1,0 +1,4 @@
+#![allow(dead_code)]
+
+pub mod fake_gitea;
+pub mod memory_driver;

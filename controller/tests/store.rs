@@ -1,0 +1,396 @@
+//! One suite of store cases, run against both backends: `Embedded` on a temporary redb
+//! file and `JetStream` on a real nats-server (see `common/nats.rs`).
+//!
+//! Each case gets a fresh [`Backend`]: a factory that opens the store, and opens it
+//! again on the same storage after the previous handle was dropped (a restart).
+//! Timing: "nothing comes" is checked by waiting [`QUIET`]; "something comes" allows
+//! [`PATIENT`]; delays and ack waits are ≥ 1 s so scheduling noise cannot flip a result.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "common/nats.rs"]
+mod nats;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use controller::store::{
+    Delivery, Record, State, Store, StoreError, embedded::Embedded, jetstream::JetStream,
+};
+
+const DOCKER: &str = "container.docker";
+const FIRECRACKER: &str = "vm.firecracker";
+/// Long enough that a delivery that should not come would have come.
+const QUIET: Duration = Duration::from_millis(400);
+/// Long enough for anything that should come.
+const PATIENT: Duration = Duration::from_secs(5);
+/// An ack wait that never expires within a case.
+const NO_REDELIVERY: Duration = Duration::from_secs(60);
+/// Tolerance for timers of the server or of tokio firing marginally early.
+const EARLY: Duration = Duration::from_millis(100);
+
+#[async_trait]
+trait Backend: Send + Sync {
+    /// Opens the store. Called again after every handle of the previous store (consumers
+    /// and deliveries included) was dropped, it reopens the same storage.
+    async fn open(&self, ack_wait: Duration) -> Box<dyn Store>;
+}
+
+struct EmbeddedBackend {
+    dir: tempfile::TempDir,
+}
+
+impl EmbeddedBackend {
+    fn new() -> Self {
+        Self { dir: tempfile::tempdir().unwrap() }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("store.redb")
+    }
+}
+
+#[async_trait]
+impl Backend for EmbeddedBackend {
+    async fn open(&self, ack_wait: Duration) -> Box<dyn Store> {
+        Box::new(Embedded::open(&self.path()).expect("open redb store").with_ack_wait(ack_wait))
+    }
+}
+
+struct JetStreamBackend {
+    server: nats::NatsServer,
+}
+
+impl JetStreamBackend {
+    fn new() -> Self {
+        Self { server: nats::NatsServer::start() }
+    }
+}
+
+#[async_trait]
+impl Backend for JetStreamBackend {
+    async fn open(&self, ack_wait: Duration) -> Box<dyn Store> {
+        Box::new(
+            JetStream::connect(&self.server.url, "ci.assignments", "assignments", ack_wait)
+                .await
+                .expect("connect to JetStream"),
+        )
+    }
+}
+
+fn id(n: u64) -> String {
+    format!("gitea-task-{n}")
+}
+
+fn record(n: u64, placement: &str) -> Record {
+    Record {
+        assignment_id: id(n),
+        placement: placement.to_owned(),
+        state: State::Pending,
+        envelope: format!("envelope of task {n}").into_bytes(),
+        environment: None,
+        updated_at_ms: 1_700_000_000_000,
+    }
+}
+
+fn claimed(mut record: Record) -> Record {
+    record.state = State::Claimed { holder: "controller-a".into(), claimed_at_ms: 1_700_000_000_500 };
+    record
+}
+
+async fn next(consumer: &mut Box<dyn controller::store::Consumer>, what: &str) -> Box<dyn Delivery> {
+    match consumer.next(PATIENT).await {
+        Ok(Some(delivery)) => delivery,
+        Ok(None) => panic!("{what}: nothing delivered within {PATIENT:?}"),
+        Err(e) => panic!("{what}: {e:?}"),
+    }
+}
+
+async fn nothing(consumer: &mut Box<dyn controller::store::Consumer>, what: &str) {
+    match consumer.next(QUIET).await {
+        Ok(None) => {}
+        Ok(Some(d)) => panic!("{what}: unexpected delivery of {} (attempt {})", d.assignment_id(), d.attempt()),
+        Err(e) => panic!("{what}: {e:?}"),
+    }
+}
+
+/// The cases, written once.
+mod cases {
+    use super::*;
+
+    /// Persist creates a Pending record and one delivery; persisting the same id again
+    /// (before and after the delivery is acknowledged) returns false and delivers nothing.
+    pub async fn persist_is_idempotent(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        let first = record(1, DOCKER);
+        assert!(store.persist(&first).await.unwrap(), "first persist creates");
+        let stored = store.get(&id(1)).await.unwrap().expect("record exists");
+        assert_eq!(stored.value, first);
+        assert_eq!(stored.value.state, State::Pending);
+
+        assert!(!store.persist(&first).await.unwrap(), "second persist does not create");
+        let mut consumer = store.consumer(DOCKER, 10).await.unwrap();
+        let delivery = next(&mut consumer, "first delivery").await;
+        assert_eq!(delivery.assignment_id(), id(1));
+        assert_eq!(delivery.attempt(), 1);
+        nothing(&mut consumer, "no second copy while the first is in flight").await;
+
+        delivery.ack().await.unwrap();
+        assert!(!store.persist(&first).await.unwrap(), "persist after ack does not create");
+        nothing(&mut consumer, "no copy after ack and re-persist").await;
+        assert_eq!(store.get(&id(1)).await.unwrap().unwrap().revision, stored.revision, "record untouched");
+        assert_eq!(store.list().await.unwrap().len(), 1);
+    }
+
+    /// get/update with compare-and-set and the transition rules.
+    pub async fn records_compare_and_set(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        assert!(store.get(&id(7)).await.unwrap().is_none());
+        assert!(matches!(store.update(&record(7, DOCKER), 1).await, Err(StoreError::NotFound(_))));
+
+        store.persist(&record(7, DOCKER)).await.unwrap();
+        let r1 = store.get(&id(7)).await.unwrap().unwrap().revision;
+
+        let claim = claimed(record(7, DOCKER));
+        let r2 = store.update(&claim, r1).await.unwrap();
+        assert!(r2 > r1, "revision grows: {r1} → {r2}");
+        let read = store.get(&id(7)).await.unwrap().unwrap();
+        assert_eq!((read.value, read.revision), (claim.clone(), r2));
+
+        // A writer that read at r1 loses.
+        let stale = store.update(&claimed(record(7, DOCKER)), r1).await;
+        assert!(
+            matches!(&stale, Err(StoreError::Conflict { assignment_id, expected }) if *assignment_id == id(7) && *expected == r1),
+            "stale revision: {stale:?}"
+        );
+
+        // Same state, more data: allowed.
+        let mut with_env = claim.clone();
+        with_env.environment = Some("ci-gitea-task-7".into());
+        let r3 = store.update(&with_env, r2).await.unwrap();
+        assert!(r3 > r2);
+
+        let mut done = with_env.clone();
+        done.state = State::Terminal { result: "RESULT_SUCCESS".into() };
+        let r4 = store.update(&done, r3).await.unwrap();
+
+        // Terminal → Pending is refused, at the right revision, and changes nothing.
+        let mut back = done.clone();
+        back.state = State::Pending;
+        let invalid = store.update(&back, r4).await;
+        assert!(
+            matches!(&invalid, Err(StoreError::InvalidTransition { from: State::Terminal { .. }, to: State::Pending, .. })),
+            "invalid transition: {invalid:?}"
+        );
+        let read = store.get(&id(7)).await.unwrap().unwrap();
+        assert_eq!((read.value, read.revision), (done, r4));
+    }
+
+    /// With max_in_flight = 2 and 5 persisted, only 2 come until one is acknowledged;
+    /// deliveries come in persist order.
+    pub async fn in_flight_limit(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        for n in 1..=5 {
+            store.persist(&record(n, DOCKER)).await.unwrap();
+        }
+        let mut consumer = store.consumer(DOCKER, 2).await.unwrap();
+        let d1 = next(&mut consumer, "1st").await;
+        let d2 = next(&mut consumer, "2nd").await;
+        assert_eq!((d1.assignment_id(), d2.assignment_id()), (id(1).as_str(), id(2).as_str()));
+        nothing(&mut consumer, "limit of 2 reached").await;
+
+        d1.ack().await.unwrap();
+        let d3 = next(&mut consumer, "3rd after an ack").await;
+        assert_eq!(d3.assignment_id(), id(3));
+        nothing(&mut consumer, "limit of 2 reached again").await;
+
+        d2.ack().await.unwrap();
+        d3.ack().await.unwrap();
+        let d4 = next(&mut consumer, "4th").await;
+        let d5 = next(&mut consumer, "5th").await;
+        assert_eq!((d4.assignment_id(), d5.assignment_id()), (id(4).as_str(), id(5).as_str()));
+        d4.ack().await.unwrap();
+        d5.ack().await.unwrap();
+        nothing(&mut consumer, "queue drained").await;
+    }
+
+    /// nak(delay): not redelivered before the delay, redelivered after it as attempt 2.
+    pub async fn nak_delays_redelivery(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        store.persist(&record(3, DOCKER)).await.unwrap();
+        let mut consumer = store.consumer(DOCKER, 1).await.unwrap();
+        let first = next(&mut consumer, "first delivery").await;
+        assert_eq!(first.attempt(), 1);
+
+        let delay = Duration::from_millis(1500);
+        let given_back = Instant::now();
+        first.nak(delay).await.unwrap();
+        nothing(&mut consumer, "within the nak delay").await;
+        let again = next(&mut consumer, "after the nak delay").await;
+        let waited = given_back.elapsed();
+        assert!(waited + EARLY >= delay, "redelivered after {waited:?}, before the delay of {delay:?}");
+        assert_eq!(again.assignment_id(), id(3));
+        assert_eq!(again.attempt(), 2);
+        again.ack().await.unwrap();
+        nothing(&mut consumer, "acknowledged").await;
+    }
+
+    /// A consumer that was dropped with a delivery unacknowledged (a crashed worker):
+    /// a new consumer gets it after the ack wait, as attempt 2.
+    pub async fn dropped_consumer_is_redelivered(backend: &dyn Backend) {
+        let ack_wait = Duration::from_secs(1);
+        let store = backend.open(ack_wait).await;
+        store.persist(&record(4, DOCKER)).await.unwrap();
+        let mut consumer = store.consumer(DOCKER, 1).await.unwrap();
+        let lost = next(&mut consumer, "first delivery").await;
+        let delivered = Instant::now();
+        assert_eq!(lost.attempt(), 1);
+        drop(lost);
+        drop(consumer);
+
+        let mut consumer = store.consumer(DOCKER, 1).await.unwrap();
+        nothing(&mut consumer, "still within the ack wait").await;
+        let again = next(&mut consumer, "after the ack wait").await;
+        let waited = delivered.elapsed();
+        assert!(waited + EARLY >= ack_wait, "redelivered after {waited:?}, before the ack wait of {ack_wait:?}");
+        assert_eq!(again.assignment_id(), id(4));
+        assert_eq!(again.attempt(), 2);
+        again.ack().await.unwrap();
+        nothing(&mut consumer, "acknowledged").await;
+    }
+
+    /// After a restart (store dropped and opened again): an acknowledged assignment never
+    /// comes again, an unacknowledged one does, an undelivered one does, and records keep
+    /// their values and revisions.
+    pub async fn ack_is_durable_across_reopen(backend: &dyn Backend) {
+        let ack_wait = Duration::from_secs(1);
+        let (claimed_revision, records_before) = {
+            let store = backend.open(ack_wait).await;
+            for n in [10, 11, 12] {
+                store.persist(&record(n, DOCKER)).await.unwrap();
+            }
+            let r1 = store.get(&id(10)).await.unwrap().unwrap().revision;
+            let r2 = store.update(&claimed(record(10, DOCKER)), r1).await.unwrap();
+            let mut consumer = store.consumer(DOCKER, 5).await.unwrap();
+            let acked = next(&mut consumer, "first").await;
+            assert_eq!(acked.assignment_id(), id(10));
+            acked.ack().await.unwrap();
+            let unacked = next(&mut consumer, "second").await;
+            assert_eq!(unacked.assignment_id(), id(11));
+            let mut before = store.list().await.unwrap();
+            before.sort_by(|a, b| a.value.assignment_id.cmp(&b.value.assignment_id));
+            // The crash: everything goes away without an ack of gitea-task-11.
+            drop(unacked);
+            drop(consumer);
+            drop(store);
+            (r2, before)
+        };
+
+        let store = backend.open(ack_wait).await;
+        let read = store.get(&id(10)).await.unwrap().expect("record survives");
+        assert_eq!((read.value, read.revision), (claimed(record(10, DOCKER)), claimed_revision));
+        let mut after = store.list().await.unwrap();
+        after.sort_by(|a, b| a.value.assignment_id.cmp(&b.value.assignment_id));
+        assert_eq!(after, records_before);
+
+        let mut consumer = store.consumer(DOCKER, 5).await.unwrap();
+        let mut attempts = BTreeMap::new();
+        for what in ["first after reopen", "second after reopen"] {
+            let delivery = next(&mut consumer, what).await;
+            attempts.insert(delivery.assignment_id().to_owned(), delivery.attempt());
+            delivery.ack().await.unwrap();
+        }
+        assert_eq!(attempts, BTreeMap::from([(id(11), 2), (id(12), 1)]));
+        nothing(&mut consumer, "the acknowledged one never comes again").await;
+    }
+
+    /// Placements are separate queues, and queue_depth counts undelivered messages.
+    pub async fn placements_are_separate_queues(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        for (n, placement) in [(20, DOCKER), (21, FIRECRACKER), (22, DOCKER), (23, FIRECRACKER), (24, DOCKER)] {
+            store.persist(&record(n, placement)).await.unwrap();
+        }
+        assert_eq!(store.queue_depth(DOCKER).await.unwrap(), 3);
+        assert_eq!(store.queue_depth(FIRECRACKER).await.unwrap(), 2);
+        assert_eq!(store.queue_depth("container.podman").await.unwrap(), 0);
+
+        let mut docker = store.consumer(DOCKER, 10).await.unwrap();
+        assert_eq!(store.queue_depth(DOCKER).await.unwrap(), 3, "a consumer alone delivers nothing");
+        let first = next(&mut docker, "docker 1").await;
+        assert_eq!(store.queue_depth(DOCKER).await.unwrap(), 2, "delivered is no longer waiting");
+        let mut got = vec![first];
+        got.push(next(&mut docker, "docker 2").await);
+        got.push(next(&mut docker, "docker 3").await);
+        nothing(&mut docker, "only docker assignments on the docker queue").await;
+        let ids: Vec<_> = got.iter().map(|d| d.assignment_id().to_owned()).collect();
+        assert_eq!(ids, [id(20), id(22), id(24)]);
+        assert_eq!(store.queue_depth(DOCKER).await.unwrap(), 0);
+        assert_eq!(store.queue_depth(FIRECRACKER).await.unwrap(), 2, "the other queue is untouched");
+
+        let mut firecracker = store.consumer(FIRECRACKER, 10).await.unwrap();
+        let f1 = next(&mut firecracker, "firecracker 1").await;
+        let f2 = next(&mut firecracker, "firecracker 2").await;
+        assert_eq!((f1.assignment_id(), f2.assignment_id()), (id(21).as_str(), id(23).as_str()));
+        nothing(&mut firecracker, "firecracker drained").await;
+        assert_eq!(store.queue_depth(FIRECRACKER).await.unwrap(), 0);
+        for delivery in got.into_iter().chain([f1, f2]) {
+            delivery.ack().await.unwrap();
+        }
+    }
+
+    /// list returns every record at its latest revision.
+    pub async fn list_returns_all_records(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        assert!(store.list().await.unwrap().is_empty());
+        for (n, placement) in [(30, DOCKER), (31, FIRECRACKER), (32, DOCKER)] {
+            store.persist(&record(n, placement)).await.unwrap();
+        }
+        let r = store.get(&id(31)).await.unwrap().unwrap().revision;
+        store.update(&claimed(record(31, FIRECRACKER)), r).await.unwrap();
+
+        let mut listed = store.list().await.unwrap();
+        listed.sort_by(|a, b| a.value.assignment_id.cmp(&b.value.assignment_id));
+        let ids: Vec<_> = listed.iter().map(|v| v.value.assignment_id.clone()).collect();
+        assert_eq!(ids, [id(30), id(31), id(32)]);
+        for versioned in &listed {
+            let read = store.get(&versioned.value.assignment_id).await.unwrap().unwrap();
+            assert_eq!(&read, versioned);
+        }
+        assert_eq!(listed[1].value, claimed(record(31, FIRECRACKER)));
+    }
+}
+
+/// One `#[tokio::test]` per case and backend: `embedded::<case>` and `jetstream::<case>`.
+macro_rules! suite {
+    ($($case:ident),* $(,)?) => {
+        mod embedded {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::cases::$case(&super::EmbeddedBackend::new()).await;
+                }
+            )*
+        }
+        mod jetstream {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::cases::$case(&super::JetStreamBackend::new()).await;
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    persist_is_idempotent,
+    records_compare_and_set,
+    in_flight_limit,
+    nak_delays_redelivery,
+    dropped_consumer_is_redelivered,
+    ack_is_durable_across_reopen,
+    placements_are_separate_queues,
+    list_returns_all_records,
+);
