@@ -451,8 +451,26 @@ pub async fn serve_mtls(
     served
 }
 
+/// The TLS configuration of the mTLS listener: our SVID from `source` (rotating with
+/// it), client certificates required and verified as SVIDs of `trust_domain`; the
+/// per-assignment identity check happens per call.
+///
+/// # Errors
+/// When the trust domain is invalid or the configuration cannot be built.
+pub fn mtls_server_config(source: spiffe::X509Source, trust_domain: &str) -> Result<Arc<rustls::ServerConfig>, FacadeError> {
+    let authorizer = spiffe_rustls::authorizer::trust_domains([trust_domain]).map_err(|e| FacadeError::Tls(e.to_string()))?;
+    let config = spiffe_rustls::mtls_server(source)
+        .authorize(authorizer)
+        .with_alpn_protocols([b"h2"])
+        .build()
+        .map_err(|e| FacadeError::Tls(e.to_string()))?;
+    Ok(Arc::new(config))
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum FacadeError {
+    #[error("cannot set up the facade's mTLS: {0}")]
+    Tls(String),
     #[error("cannot listen on {address}")]
     Bind {
         address: String,

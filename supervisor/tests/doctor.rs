@@ -8,7 +8,8 @@ mod common;
 
 use std::process::Command;
 
-use common::{workload::{FakeWorkloadApi, Offer}, *};
+use common::*;
+use testkit::workload::{FakeWorkloadApi, Offer};
 use serde_json::Value;
 
 const EXPECTED: &str = "spiffe://example.org/ci/owner/repo/build";

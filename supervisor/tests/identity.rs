@@ -8,7 +8,8 @@ mod common;
 
 use std::{process::Stdio, time::Duration};
 
-use common::{workload::{FakeWorkloadApi, Offer}, *};
+use common::*;
+use testkit::workload::{FakeWorkloadApi, Offer};
 
 const EXPECTED: &str = "spiffe://example.org/ci/owner/repo/build";
 

@@ -68,6 +68,7 @@ where
 
 /// `ci.assignments` → `CI_ASSIGNMENTS`: stream names may not contain `.`, `*`, `>` or
 /// whitespace.
+#[must_use]
 pub fn stream_name(base: &str) -> String {
     base.chars()
         .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c.to_ascii_uppercase() } else { '_' })
@@ -75,6 +76,7 @@ pub fn stream_name(base: &str) -> String {
 }
 
 /// `container.docker` → `worker-container-docker`: consumer names may not contain `.`.
+#[must_use]
 pub fn consumer_name(placement: &str) -> String {
     let tail: String =
         placement.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '-' }).collect();

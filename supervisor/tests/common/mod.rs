@@ -4,8 +4,6 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-pub mod workload;
-
 use std::{
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},

@@ -4,14 +4,12 @@
 //! pushing an update to open streams when they change. Like SPIRE it rejects calls
 //! without the `workload.spiffe.io: true` header, and it counts the calls that had it.
 
-#![allow(dead_code, clippy::unwrap_used)]
-
 use std::{
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     pin::Pin,
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicUsize, Ordering},
     },
 };
@@ -40,14 +38,22 @@ struct Fake {
     without_header: Arc<AtomicUsize>,
 }
 
-struct Ca {
+/// A certificate authority for SVIDs; share one between fakes so that their SVIDs
+/// trust each other (a server and a client of an mTLS test).
+pub struct Ca {
     key: KeyPair,
     params: CertificateParams,
     der: Vec<u8>,
 }
 
+impl Default for Ca {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Ca {
-    fn new() -> Self {
+    pub fn new() -> Self {
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -57,7 +63,7 @@ impl Ca {
         Ca { key, params, der }
     }
 
-    fn svid(&self, id: &str) -> X509svid {
+    pub fn svid(&self, id: &str) -> X509svid {
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.subject_alt_names = vec![SanType::URI(id.try_into().unwrap())];
@@ -159,13 +165,18 @@ impl FakeWorkloadApi {
     /// Starts on `dir/api.sock`, refusing at first. The socket is world-accessible
     /// because the agent connects as uid 2000.
     pub async fn start(dir: &Path) -> Self {
-        let socket = dir.join("api.sock");
+        Self::start_with(dir, "api.sock", Arc::new(Ca::new())).await
+    }
+
+    /// Starts on `dir/<file>` with SVIDs signed by `ca`.
+    pub async fn start_with(dir: &Path, file: &str, ca: Arc<Ca>) -> Self {
+        let socket = dir.join(file);
         let listener = tokio::net::UnixListener::bind(&socket).unwrap();
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o777)).unwrap();
         let (offer, receiver) = watch::channel(Offer::Refuse);
         let fake = Fake {
             offer: receiver,
-            ca: Arc::new(Ca::new()),
+            ca,
             with_header: Arc::new(AtomicUsize::new(0)),
             without_header: Arc::new(AtomicUsize::new(0)),
         };
@@ -201,6 +212,3 @@ impl Drop for FakeWorkloadApi {
         self.server.abort();
     }
 }
-
-/// Shared so several tests can hold a server in one process without a global.
-pub type Shared = Arc<Mutex<Option<FakeWorkloadApi>>>;

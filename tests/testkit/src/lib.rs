@@ -1,0 +1,7 @@
+//! Test-only helpers shared by the workspace's tests (a dev-dependency only).
+//!
+//! - [`workload`]: a fake SPIFFE Workload API server, scripted by the test.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
+
+pub mod workload;
