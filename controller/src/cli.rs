@@ -1,5 +1,7 @@
 //! The controller's command line.
 
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -15,6 +17,16 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the controller: register with Gitea, claim tasks, create environments, serve the facade.
+    Run {
+        /// The TOML configuration (see config/controller.example.toml); GDR_* variables override it.
+        #[arg(long, env = "GDR_CONFIG", value_name = "FILE")]
+        config: PathBuf,
+        /// Components of this process: scheduler, facade, worker, worker:<placement>,
+        /// pod-worker, vm-worker (comma-separated; default: all).
+        #[arg(long, env = "GDR_COMPONENTS", default_value = "scheduler,facade,worker")]
+        components: String,
+    },
     /// Print the version and the protocols this build speaks.
     Version,
 }

@@ -127,6 +127,7 @@ impl Facade {
                     match self.store.update(&next, record.revision).await {
                         Ok(_) => {
                             tracing::info!(assignment_id = %assignment.id, task_id = assignment.task.id, "claimed");
+                            crate::failpoint::hit("after-claim");
                             return Ok(claim_response(assignment.task.clone(), claimed_at_ms));
                         }
                         Err(StoreError::Conflict { .. }) => {

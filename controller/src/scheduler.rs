@@ -109,6 +109,7 @@ impl Scheduler {
                     self.tasks_version.fetch_max(response.tasks_version, Ordering::SeqCst);
                     match response.task {
                         Some(task) => {
+                            crate::failpoint::hit("after-fetch");
                             // Like gitea-runner: after a task, ask again for real next time.
                             self.tasks_version.store(0, Ordering::SeqCst);
                             self.handle(task, &shutdown).await;

@@ -138,6 +138,7 @@ impl Worker {
             return Ok(Placed::PoolFull);
         }
         let spec = self.spec(assignment_id, &record.value.envelope, &name)?;
+        crate::failpoint::hit("before-create");
         let environment = match self.driver.create(&spec).await {
             Ok(environment) => environment,
             Err(error) => {

@@ -1,0 +1,360 @@
+//! The controller's configuration: a TOML file (`--config FILE`), then environment
+//! overrides (`GDR_<SECTION>_<KEY>`), validated at start with messages that name the
+//! setting. Secrets are only ever read from files (`*_file` settings): the
+//! registration token, the capability key.
+
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
+
+use serde::Deserialize;
+
+use crate::placement::Placement;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub gitea: GiteaConfig,
+    pub identity: IdentityConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    pub facade: FacadeConfig,
+    #[serde(default)]
+    pub http: HttpConfig,
+    /// One pool per enabled placement.
+    #[serde(rename = "pool", default)]
+    pub pools: Vec<PoolConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GiteaConfig {
+    /// The instance URL, e.g. `https://gitea.example.com`.
+    pub url: String,
+    /// File holding the registration token; only read when no credential is stored.
+    pub registration_token_file: Option<PathBuf>,
+    /// Where the runner credential is kept (mode 0600).
+    pub credential_file: PathBuf,
+    #[serde(default = "default_runner_name")]
+    pub runner_name: String,
+    #[serde(default = "default_fetch_interval", with = "duration")]
+    pub fetch_interval: Duration,
+    #[serde(default = "default_keepalive", with = "duration")]
+    pub keepalive_interval: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentityConfig {
+    pub trust_domain: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, tag = "kind", rename_all = "lowercase")]
+pub enum StoreConfig {
+    /// One host: a redb file.
+    Embedded { path: PathBuf },
+    /// Several controllers: NATS JetStream.
+    Jetstream {
+        url: String,
+        #[serde(default = "default_subject")]
+        subject: String,
+        #[serde(default = "default_bucket")]
+        bucket: String,
+        #[serde(default = "default_ack_wait", with = "duration")]
+        ack_wait: Duration,
+    },
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig::Embedded { path: PathBuf::from("/var/lib/gitea-dynamic-runner/store.redb") }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FacadeConfig {
+    /// File with at least 32 bytes of HMAC key for assignment capabilities (mode 0600).
+    pub capability_key_file: PathBuf,
+    #[serde(default = "default_capability_ttl", with = "duration")]
+    pub capability_ttl: Duration,
+    /// Unix socket for environments without SPIFFE (docker driver); capability only.
+    pub unix_socket: Option<PathBuf>,
+    /// mTLS listener for environments with SPIFFE, e.g. `0.0.0.0:9443`.
+    pub listen: Option<String>,
+    /// The Workload API of the controller itself (for its own SVID).
+    pub spiffe_endpoint_socket: Option<String>,
+    /// The facade's URL and SPIFFE ID as environments see them.
+    pub url: String,
+    #[serde(default)]
+    pub spiffe_id: String,
+    /// SPIFFE_ENDPOINT_SOCKET inside environments.
+    #[serde(default)]
+    pub environment_spiffe_endpoint_socket: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// `/metrics`, `/healthz`, `/readyz`.
+    pub listen: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig { listen: "127.0.0.1:9100".into() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    pub placement: Placement,
+    pub capacity: usize,
+}
+
+fn default_runner_name() -> String {
+    "gitea-dynamic-runner".into()
+}
+fn default_fetch_interval() -> Duration {
+    Duration::from_secs(2)
+}
+fn default_keepalive() -> Duration {
+    crate::keepalive::DEFAULT_INTERVAL
+}
+fn default_subject() -> String {
+    "ci.assignments".into()
+}
+fn default_bucket() -> String {
+    "ci-assignments".into()
+}
+fn default_ack_wait() -> Duration {
+    Duration::from_secs(60)
+}
+fn default_capability_ttl() -> Duration {
+    Duration::from_secs(24 * 3600)
+}
+
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        super::parse_duration(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// `500ms`, `2s`, `5m`, `1h`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 500ms, 2s, 5m or 1h"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(number)),
+        "s" | "" => Ok(Duration::from_secs(number)),
+        "m" => Ok(Duration::from_secs(number * 60)),
+        "h" => Ok(Duration::from_secs(number * 3600)),
+        _ => Err(format!("{text:?} is not a duration like 500ms, 2s, 5m or 1h")),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{setting}: {message}")]
+    Invalid { setting: String, message: String },
+}
+
+/// Environment variables that override settings, and the setting each one names.
+const OVERRIDES: &[(&str, &str)] = &[
+    ("GDR_GITEA_URL", "gitea.url"),
+    ("GDR_GITEA_REGISTRATION_TOKEN_FILE", "gitea.registration_token_file"),
+    ("GDR_GITEA_CREDENTIAL_FILE", "gitea.credential_file"),
+    ("GDR_GITEA_RUNNER_NAME", "gitea.runner_name"),
+    ("GDR_IDENTITY_TRUST_DOMAIN", "identity.trust_domain"),
+    ("GDR_FACADE_CAPABILITY_KEY_FILE", "facade.capability_key_file"),
+    ("GDR_FACADE_URL", "facade.url"),
+    ("GDR_FACADE_UNIX_SOCKET", "facade.unix_socket"),
+    ("GDR_FACADE_LISTEN", "facade.listen"),
+    ("GDR_HTTP_LISTEN", "http.listen"),
+];
+
+/// Environment variables that must never carry secrets directly.
+const FORBIDDEN: &[(&str, &str)] = &[
+    ("GDR_GITEA_REGISTRATION_TOKEN", "gitea.registration_token_file (GDR_GITEA_REGISTRATION_TOKEN_FILE)"),
+    ("GDR_FACADE_CAPABILITY_KEY", "facade.capability_key_file (GDR_FACADE_CAPABILITY_KEY_FILE)"),
+];
+
+impl Config {
+    /// Reads `path`, applies overrides from `env`, validates.
+    ///
+    /// # Errors
+    /// A message naming the setting that is wrong.
+    pub fn load(path: &std::path::Path, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(&text, path, env)
+    }
+
+    /// # Errors
+    /// A message naming the setting that is wrong.
+    pub fn parse(text: &str, path: &std::path::Path, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+        for (variable, instead) in FORBIDDEN {
+            if env.contains_key(*variable) {
+                return Err(ConfigError::Invalid {
+                    setting: (*variable).to_owned(),
+                    message: format!("secrets are only read from files: unset it and use {instead}"),
+                });
+            }
+        }
+        let mut document: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        for (variable, setting) in OVERRIDES {
+            if let Some(value) = env.get(*variable) {
+                let (section, key) = setting.split_once('.').unwrap_or((setting, ""));
+                let table = document
+                    .entry(section.to_owned())
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                if let toml::Value::Table(table) = table {
+                    table.insert(key.to_owned(), toml::Value::String(value.clone()));
+                }
+            }
+        }
+        let config: Config = toml::Value::Table(document)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |setting: &str, message: String| Err(ConfigError::Invalid { setting: setting.to_owned(), message });
+        if !(self.gitea.url.starts_with("http://") || self.gitea.url.starts_with("https://")) {
+            return invalid("gitea.url", format!("{:?} must be an http(s) URL of the Gitea instance", self.gitea.url));
+        }
+        if let Err(error) = crate::identity::validate_trust_domain(&self.identity.trust_domain) {
+            return invalid("identity.trust_domain", error.to_string());
+        }
+        if self.pools.is_empty() {
+            return invalid("pool", "at least one [[pool]] with placement and capacity is required".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for pool in &self.pools {
+            if pool.capacity == 0 || pool.capacity > 10_000 {
+                return invalid("pool.capacity", format!("{} for {} must be 1 to 10000", pool.capacity, pool.placement));
+            }
+            if !seen.insert(pool.placement) {
+                return invalid("pool.placement", format!("{} is configured twice", pool.placement));
+            }
+        }
+        if self.facade.unix_socket.is_none() && self.facade.listen.is_none() {
+            return invalid("facade", "set facade.unix_socket, facade.listen, or both".into());
+        }
+        if self.facade.listen.is_some() && self.facade.spiffe_endpoint_socket.is_none() {
+            return invalid("facade.spiffe_endpoint_socket", "required with facade.listen (the mTLS listener needs the controller's SVID)".into());
+        }
+        if self.facade.capability_ttl < Duration::from_secs(60) {
+            return invalid("facade.capability_ttl", "must be at least 1m".into());
+        }
+        if self.gitea.keepalive_interval >= Duration::from_secs(600) || self.gitea.keepalive_interval.is_zero() {
+            return invalid("gitea.keepalive_interval", "must be between 1s and 10m (Gitea's zombie timeout)".into());
+        }
+        if let StoreConfig::Jetstream { url, .. } = &self.store
+            && !url.starts_with("nats://")
+            && !url.starts_with("tls://")
+        {
+            return invalid("store.url", format!("{url:?} must be a nats:// or tls:// URL"));
+        }
+        Ok(())
+    }
+
+    /// Total capacity = the number of FetchTask loops.
+    pub fn total_capacity(&self) -> usize {
+        self.pools.iter().map(|p| p.capacity).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[gitea]
+url = "https://gitea.example.com"
+registration_token_file = "/etc/gdr/registration-token"
+credential_file = "/var/lib/gdr/runner.json"
+
+[identity]
+trust_domain = "example.org"
+
+[facade]
+capability_key_file = "/etc/gdr/capability.key"
+unix_socket = "/run/gdr/facade.sock"
+url = "unix:///run/gdr/facade.sock"
+
+[[pool]]
+placement = "container.docker"
+capacity = 4
+"#;
+
+    fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let env = env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        Config::parse(text, std::path::Path::new("controller.toml"), &env)
+    }
+
+    #[test]
+    fn minimal_config_and_defaults() {
+        let config = parse(MINIMAL, &[]).unwrap();
+        assert_eq!(config.total_capacity(), 4);
+        assert_eq!(config.gitea.fetch_interval, Duration::from_secs(2));
+        assert!(matches!(config.store, StoreConfig::Embedded { .. }));
+        assert_eq!(config.http.listen, "127.0.0.1:9100");
+    }
+
+    #[test]
+    fn environment_overrides_win() {
+        let config = parse(MINIMAL, &[("GDR_GITEA_URL", "http://other:3000"), ("GDR_IDENTITY_TRUST_DOMAIN", "ci.example")]).unwrap();
+        assert_eq!(config.gitea.url, "http://other:3000");
+        assert_eq!(config.identity.trust_domain, "ci.example");
+    }
+
+    /// Each mistake names its setting.
+    #[test]
+    fn invalid_settings_are_named() {
+        let table: &[(&str, &str, &[(&str, &str)], &str)] = &[
+            ("url = \"https://gitea.example.com\"", "url = \"gitea.example.com\"", &[], "gitea.url"),
+            ("trust_domain = \"example.org\"", "trust_domain = \"Example Org\"", &[], "identity.trust_domain"),
+            ("capacity = 4", "capacity = 0", &[], "pool.capacity"),
+            ("placement = \"container.docker\"", "placement = \"vm.docker\"", &[], "placement"),
+            ("unix_socket = \"/run/gdr/facade.sock\"", "", &[], "facade"),
+            ("[identity]", "[identity]\ncolour = \"blue\"", &[], "colour"),
+            ("", "", &[("GDR_GITEA_REGISTRATION_TOKEN", "t")], "registration_token_file"),
+            ("", "", &[("GDR_FACADE_CAPABILITY_KEY", "k")], "capability_key_file"),
+            ("unix_socket = \"/run/gdr/facade.sock\"", "listen = \"0.0.0.0:9443\"", &[], "facade.spiffe_endpoint_socket"),
+            ("[[pool]]", "[store]\nkind = \"jetstream\"\nurl = \"http://nats\"\n[[pool]]", &[], "store.url"),
+        ];
+        for &(from, to, env, setting) in table {
+            let text = if from.is_empty() { MINIMAL.to_owned() } else { MINIMAL.replacen(from, to, 1) };
+            let error = parse(&text, env).expect_err(&format!("accepted {to:?} {env:?}")).to_string();
+            assert!(error.contains(setting), "{to:?}: {error}");
+        }
+        let twice = format!("{MINIMAL}\n[[pool]]\nplacement = \"container.docker\"\ncapacity = 1\n");
+        assert!(parse(&twice, &[]).unwrap_err().to_string().contains("twice"));
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("5x").is_err());
+    }
+}

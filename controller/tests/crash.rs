@@ -1,0 +1,282 @@
+//! Crash safety with the real nats-server: the real controller process is killed
+//! with SIGKILL (`kill -9`, at crash points of the `test-driver` build) between fetch
+//! and persist, between persist and environment creation, and right after a claim;
+//! it is restarted, and the test, playing each environment's supervisor, claims and
+//! finishes every task. The fake Gitea counts what happened to each task.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+#[path = "common/nats.rs"]
+mod nats;
+
+use std::{
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN};
+use proto::{
+    facade::v1::{AssignmentCredential, ClaimRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient},
+    runner::v1::{Result as TaskResult, TaskState, UpdateTaskRequest as RunnerUpdate},
+};
+
+const HOLDER: &str = "crash-test-holder-0123456789";
+
+struct Setup {
+    dir: tempfile::TempDir,
+    config: PathBuf,
+    envs: PathBuf,
+    socket: PathBuf,
+}
+
+fn setup(gitea: &FakeGitea, nats: &nats::NatsServer) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("registration-token"), REGISTRATION_TOKEN).unwrap();
+    let key = d.join("capability.key");
+    std::fs::write(&key, "0123456789abcdef0123456789abcdef-crash-test\n").unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let socket = d.join("facade.sock");
+    let config = d.join("controller.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[gitea]
+url = "{gitea}"
+registration_token_file = "{dir}/registration-token"
+credential_file = "{dir}/runner.json"
+fetch_interval = "100ms"
+
+[identity]
+trust_domain = "example.org"
+
+[store]
+kind = "jetstream"
+url = "{nats}"
+ack_wait = "2s"
+
+[facade]
+capability_key_file = "{dir}/capability.key"
+unix_socket = "{socket}"
+url = "unix://{socket}"
+
+[http]
+listen = "127.0.0.1:0"
+
+[[pool]]
+placement = "container.docker"
+capacity = 4
+"#,
+            gitea = gitea.url(),
+            dir = d.display(),
+            nats = nats.url,
+            socket = socket.display(),
+        ),
+    )
+    .unwrap();
+    Setup { envs: d.join("envs"), dir, config, socket }
+}
+
+fn controller(setup: &Setup, crash_at: Option<&str>) -> Child {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_controller"));
+    command
+        .args(["run", "--config"])
+        .arg(&setup.config)
+        .env("GDR_TEST_DRIVER_DIR", &setup.envs)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(setup.dir.path().join(format!("controller-{}.log", crash_at.unwrap_or("ok")))).unwrap());
+    if let Some(point) = crash_at {
+        command.env("GDR_TEST_CRASH_AT", point);
+    }
+    command.spawn().unwrap()
+}
+
+fn wait_for_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "the controller did not die at its crash point");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+struct Stop(Child);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The environments the driver holds: (assignment id, capability, creates).
+fn environments(dir: &Path) -> Vec<(String, String, u64)> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        if entry.path().extension().is_some_and(|e| e == "json") {
+            let value: serde_json::Value = serde_json::from_slice(&std::fs::read(entry.path()).unwrap()).unwrap();
+            found.push((
+                value["assignment_id"].as_str().unwrap().to_owned(),
+                value["env"]["CI_RUNNER_CAPABILITY"].as_str().unwrap().to_owned(),
+                value["creates"].as_u64().unwrap(),
+            ));
+        }
+    }
+    found.sort();
+    found
+}
+
+async fn wait_for_environments(dir: &Path, n: usize, timeout: Duration) -> Vec<(String, String, u64)> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let found = environments(dir);
+        if found.len() >= n {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "only {} of {n} environments after {timeout:?}", found.len());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn facade(socket: &Path) -> FacadeServiceClient<tonic::transport::Channel> {
+    let socket = socket.to_owned();
+    for _ in 0..200 {
+        if socket.exists() {
+            let path = socket.clone();
+            if let Ok(channel) = tonic::transport::Endpoint::try_from("http://facade.local")
+                .unwrap()
+                .connect_with_connector(tower::service_fn(move |_| {
+                    let path = path.clone();
+                    async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+                }))
+                .await
+            {
+                return FacadeServiceClient::new(channel);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the facade socket never answered");
+}
+
+/// Plays the supervisor of one environment: claim, then report success.
+async fn run_environment(client: &mut FacadeServiceClient<tonic::transport::Channel>, id: &str, capability: &str) -> Result<i64, tonic::Status> {
+    let credential = Some(AssignmentCredential { assignment_id: id.to_owned(), capability: capability.to_owned() });
+    let task = client.claim(ClaimRequest { credential: credential.clone(), holder: HOLDER.into() }).await?.into_inner().task.unwrap();
+    let done = RunnerUpdate {
+        state: Some(TaskState { id: task.id, result: TaskResult::Success as i32, stopped_at: Some(prost_types::Timestamp::default()), ..Default::default() }),
+        outputs: Default::default(),
+    };
+    client.update_task(UpdateTaskRequest { credential, request: Some(done) }).await?;
+    Ok(task.id)
+}
+
+fn assert_each_finished_once(gitea: &FakeGitea, expected: usize) {
+    gitea.with(|state| {
+        let finished: Vec<_> = state.tasks.iter().filter(|(_, t)| t.final_result.is_some()).collect();
+        assert_eq!(finished.len(), expected, "tasks finished: {:?}", state.tasks.keys().collect::<Vec<_>>());
+        for (id, task) in finished {
+            assert_eq!(task.final_result, Some(TaskResult::Success as i32), "task {id}");
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_between_persist_and_environment_creation() {
+    let nats = nats::NatsServer::start();
+    let gitea = FakeGitea::start().await;
+    for _ in 0..3 {
+        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+    }
+    let setup = setup(&gitea, &nats);
+    let mut crashed = controller(&setup, Some("before-create"));
+    let status = wait_for_exit(&mut crashed, Duration::from_secs(60));
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
+    assert!(environments(&setup.envs).is_empty(), "an environment was created before the crash point");
+
+    let _running = Stop(controller(&setup, None));
+    let envs = wait_for_environments(&setup.envs, 3, Duration::from_secs(60)).await;
+    let mut client = facade(&setup.socket).await;
+    for (id, capability, _) in &envs {
+        run_environment(&mut client, id, capability).await.unwrap();
+    }
+    assert_each_finished_once(&gitea, 3);
+    assert_eq!(gitea.with(|s| s.tasks.len()), 3, "a task was fetched twice");
+    assert_eq!(environments(&setup.envs).len(), 3, "an environment was created twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_right_after_a_claim() {
+    let nats = nats::NatsServer::start();
+    let gitea = FakeGitea::start().await;
+    for _ in 0..2 {
+        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+    }
+    let setup = setup(&gitea, &nats);
+    let mut crashing = controller(&setup, Some("after-claim"));
+    let envs = wait_for_environments(&setup.envs, 2, Duration::from_secs(60)).await;
+    let mut client = facade(&setup.socket).await;
+    // The claim is recorded, then the process dies before answering.
+    let (id, capability, _) = envs[0].clone();
+    assert!(run_environment(&mut client, &id, &capability).await.is_err());
+    let status = wait_for_exit(&mut crashing, Duration::from_secs(30));
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
+
+    let _running = Stop(controller(&setup, None));
+    let mut client = facade(&setup.socket).await;
+    // The same holder retries and gets the same task; another holder would be refused.
+    for (id, capability, _) in &envs {
+        run_environment(&mut client, id, capability).await.unwrap();
+    }
+    let second = client
+        .claim(ClaimRequest {
+            credential: Some(AssignmentCredential { assignment_id: id.clone(), capability: capability.clone() }),
+            holder: "someone-else-0123456789".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(second.code(), tonic::Code::FailedPrecondition);
+    assert_each_finished_once(&gitea, 2);
+    assert_eq!(environments(&setup.envs).len(), 2);
+}
+
+/// A task Gitea handed over but the process died before persisting it cannot be
+/// recovered by the runner: FetchTask never returns it again and the protocol has no
+/// way to look it up. It is not run twice; Gitea fails it after its zombie timeout.
+/// The others are unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_between_fetch_and_persist() {
+    let nats = nats::NatsServer::start();
+    let gitea = FakeGitea::start().await;
+    for _ in 0..3 {
+        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+    }
+    let setup = setup(&gitea, &nats);
+    let mut crashed = controller(&setup, Some("after-fetch"));
+    let status = wait_for_exit(&mut crashed, Duration::from_secs(60));
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
+    let handed_over = gitea.with(|s| s.tasks.len());
+    assert!(handed_over >= 1);
+
+    let _running = Stop(controller(&setup, None));
+    let envs = wait_for_environments(&setup.envs, 3 - handed_over, Duration::from_secs(60)).await;
+    let mut client = facade(&setup.socket).await;
+    for (id, capability, _) in &envs {
+        run_environment(&mut client, id, capability).await.unwrap();
+    }
+    assert_each_finished_once(&gitea, 3 - handed_over);
+    gitea.with(|s| {
+        assert_eq!(s.tasks.len(), 3, "every job was handed out exactly once");
+        let lost: Vec<_> = s.tasks.iter().filter(|(_, t)| t.final_result.is_none()).map(|(id, t)| (*id, t.updates)).collect();
+        assert_eq!(lost.len(), handed_over, "{lost:?}");
+        assert!(lost.iter().all(|(_, updates)| *updates == 0), "a lost task was reported: {lost:?}");
+    });
+}
