@@ -49,6 +49,7 @@ fn record(n: u64, placement: &str) -> Record {
         envelope: envelope(n),
         environment: None,
         updated_at_ms: controller::store::now_ms(),
+        created_at_ms: controller::store::now_ms(),
     }
 }
 

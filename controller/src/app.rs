@@ -95,7 +95,7 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
     let listener = tokio::net::TcpListener::bind(&config.http.listen)
         .await
         .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
-    tasks.spawn(crate::metrics::serve(listener, Arc::clone(&metrics), shutdown.clone()).map_result("metrics"));
+    tasks.spawn(named("metrics", crate::metrics::serve(listener, Arc::clone(&metrics), shutdown.clone())));
 
     let store: Arc<dyn Store> = match &config.store {
         StoreConfig::Embedded { path } => Arc::new(Embedded::open(path).with_context(|| format!("store.path {}", path.display()))?),
@@ -148,11 +148,14 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
         let (Some(driver), Some(slots)) = (drivers.get(&name), pools.get(&name)) else { continue };
         let worker = Arc::new(Worker::new(Arc::clone(&store), Arc::clone(driver), Arc::clone(slots), Arc::clone(&key), contract.clone(), config.identity.trust_domain.clone()));
         worker.recover().await.with_context(|| format!("pool {name}: rebuilding from the driver"))?;
-        tasks.spawn(Arc::clone(&worker).run(shutdown.clone()).map_result("worker"));
+        tasks.spawn(named("worker", Arc::clone(&worker).run(shutdown.clone())));
     }
 
     if components.facade {
-        let facade = Arc::new(Facade::new(Arc::clone(&store), gitea.clone(), Arc::clone(&key), config.identity.trust_domain.clone(), drivers.clone(), pools.clone()));
+        let facade = Arc::new(
+            Facade::new(Arc::clone(&store), gitea.clone(), Arc::clone(&key), config.identity.trust_domain.clone(), drivers.clone(), pools.clone())
+                .with_metrics(Arc::clone(&metrics)),
+        );
         if let Some(path) = config.facade.unix_socket.clone() {
             let facade = Arc::clone(&facade);
             let shutdown = shutdown.clone();
@@ -162,7 +165,7 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
             let source = spiffe::X509Source::builder().endpoint(&endpoint).build().await.with_context(|| format!("facade.spiffe_endpoint_socket {endpoint}"))?;
             let tls = facade::mtls_server_config(source, &config.identity.trust_domain)?;
             let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.listen {listen}"))?;
-            tasks.spawn(facade::serve_mtls(facade, listener, tls, shutdown.clone()).map_result("facade"));
+            tasks.spawn(named("facade", facade::serve_mtls(facade, listener, tls, shutdown.clone())));
         }
     }
 
@@ -177,8 +180,9 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
                 fetch_interval: config.gitea.fetch_interval,
                 fetch_timeout: Duration::from_secs(5),
             },
-        ));
-        tasks.spawn(scheduler.run(shutdown.clone()).map_result("scheduler"));
+        )
+        .with_metrics(Arc::clone(&metrics)));
+        tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
         let keep_alive = KeepAlive { store: Arc::clone(&store), gitea: gitea.clone(), drivers: drivers.clone(), pools: pools.clone() };
         let interval = config.gitea.keepalive_interval;
         let keep_shutdown = shutdown.clone();
@@ -234,18 +238,12 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
     outcome
 }
 
-trait MapResult {
-    fn map_result(self, component: &'static str) -> impl std::future::Future<Output = anyhow::Result<()>> + Send;
-}
-
-impl<F, E> MapResult for F
+/// A component's error, with the component named.
+async fn named<E>(component: &'static str, future: impl std::future::Future<Output = Result<(), E>>) -> anyhow::Result<()>
 where
-    F: std::future::Future<Output = Result<(), E>> + Send,
     E: std::error::Error + Send + Sync + 'static,
 {
-    fn map_result(self, component: &'static str) -> impl std::future::Future<Output = anyhow::Result<()>> + Send {
-        async move { self.await.with_context(|| format!("{component} stopped")) }
-    }
+    future.await.with_context(|| format!("{component} stopped"))
 }
 
 #[cfg(test)]

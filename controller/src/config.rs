@@ -328,7 +328,8 @@ capacity = 4
     /// Each mistake names its setting.
     #[test]
     fn invalid_settings_are_named() {
-        let table: &[(&str, &str, &[(&str, &str)], &str)] = &[
+        type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
+        let table: &[Case] = &[
             ("url = \"https://gitea.example.com\"", "url = \"gitea.example.com\"", &[], "gitea.url"),
             ("trust_domain = \"example.org\"", "trust_domain = \"Example Org\"", &[], "identity.trust_domain"),
             ("capacity = 4", "capacity = 0", &[], "pool.capacity"),
@@ -347,6 +348,13 @@ capacity = 4
         }
         let twice = format!("{MINIMAL}\n[[pool]]\nplacement = \"container.docker\"\ncapacity = 1\n");
         assert!(parse(&twice, &[]).unwrap_err().to_string().contains("twice"));
+    }
+
+    #[test]
+    fn the_example_config_is_valid() {
+        let text = include_str!("../../config/controller.example.toml");
+        let config = parse(text, &[]).unwrap();
+        assert_eq!(config.pools.len(), 1);
     }
 
     #[test]

@@ -51,6 +51,12 @@ pub struct Facade {
     trust_domain: String,
     drivers: HashMap<String, Arc<dyn Driver>>,
     pools: HashMap<String, Arc<Pool>>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
+/// Seconds since `from_ms`, for the histograms.
+fn seconds_since(from_ms: i64) -> f64 {
+    (now_ms() - from_ms).max(0) as f64 / 1000.0
 }
 
 impl Facade {
@@ -62,7 +68,12 @@ impl Facade {
         drivers: HashMap<String, Arc<dyn Driver>>,
         pools: HashMap<String, Arc<Pool>>,
     ) -> Self {
-        Facade { store, gitea, key, trust_domain, drivers, pools }
+        Facade { store, gitea, key, trust_domain, drivers, pools, metrics: None }
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The tonic service; the transport must put a [`Peer`] into each request's extensions.
@@ -128,6 +139,11 @@ impl Facade {
                         Ok(_) => {
                             tracing::info!(assignment_id = %assignment.id, task_id = assignment.task.id, "claimed");
                             crate::failpoint::hit("after-claim");
+                            if let Some(metrics) = &self.metrics
+                                && record.value.created_at_ms > 0
+                            {
+                                metrics.claim_latency.observe(seconds_since(record.value.created_at_ms));
+                            }
                             return Ok(claim_response(assignment.task.clone(), claimed_at_ms));
                         }
                         Err(StoreError::Conflict { .. }) => {
@@ -172,13 +188,19 @@ impl Facade {
     }
 
     pub async fn report_phase(&self, peer: &Peer, request: ReportPhaseRequest) -> Result<ReportPhaseResponse, Status> {
-        let (_, assignment) = self.authorize(peer, request.credential.as_ref()).await?;
+        let (record, assignment) = self.authorize(peer, request.credential.as_ref()).await?;
         let phase = Phase::try_from(request.phase).unwrap_or(Phase::Unspecified);
         if phase == Phase::Unspecified {
             return Err(Status::invalid_argument("phase is required"));
         }
         if request.detail.len() > 4096 {
             return Err(Status::invalid_argument("detail is longer than 4096 bytes"));
+        }
+        if phase == Phase::RunnerStarted
+            && let Some(metrics) = &self.metrics
+            && record.value.created_at_ms > 0
+        {
+            metrics.job_startup.observe(seconds_since(record.value.created_at_ms));
         }
         tracing::info!(assignment_id = %assignment.id, task_id = assignment.task.id, phase = phase.as_str_name(), exit_code = request.exit_code, detail = %request.detail, "environment phase");
         Ok(ReportPhaseResponse {})

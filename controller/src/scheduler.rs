@@ -56,11 +56,17 @@ pub struct Scheduler {
     /// The highest tasks_version seen, shared by all loops (reference §2.5).
     tasks_version: AtomicI64,
     observer: Option<tokio::sync::mpsc::UnboundedSender<Outcome>>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Scheduler {
     pub fn new(gitea: Gitea, store: Arc<dyn Store>, config: SchedulerConfig) -> Self {
-        Scheduler { gitea, store, config, tasks_version: AtomicI64::new(0), observer: None }
+        Scheduler { gitea, store, config, tasks_version: AtomicI64::new(0), observer: None, metrics: None }
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Reports every outcome on `observer` (tests, metrics).
@@ -134,6 +140,7 @@ impl Scheduler {
     }
 
     async fn handle(&self, task: Task, shutdown: &CancellationToken) {
+        let fetched_at_ms = now_ms();
         let task_id = task.id;
         let assignment = match Assignment::from_task(task, &self.config.trust_domain) {
             Ok(assignment) => assignment,
@@ -159,6 +166,7 @@ impl Scheduler {
             envelope: assignment.encode(),
             environment: None,
             updated_at_ms: now_ms(),
+            created_at_ms: fetched_at_ms,
         };
         let mut attempt = 0u32;
         loop {
@@ -174,6 +182,9 @@ impl Scheduler {
                 }
                 Err(error) => {
                     attempt += 1;
+                    if let Some(metrics) = &self.metrics {
+                        metrics.error(error.metric_label());
+                    }
                     // The task is ours alone now: keep trying, this assignment only.
                     tracing::warn!(assignment_id = %record.assignment_id, task_id, attempt, %error, "persisting failed; retrying");
                     if shutdown.is_cancelled() && attempt > 20 {
@@ -219,6 +230,17 @@ impl Scheduler {
     }
 
     fn observe(&self, outcome: Outcome) {
+        if let Some(metrics) = &self.metrics {
+            match &outcome {
+                Outcome::Persisted { .. } => {
+                    metrics.assignments_persisted.inc();
+                }
+                Outcome::Rejected { .. } => {
+                    metrics.tasks_rejected.inc();
+                }
+                Outcome::AlreadyPersisted { .. } => {}
+            }
+        }
         if let Some(observer) = &self.observer {
             let _ = observer.send(outcome);
         }

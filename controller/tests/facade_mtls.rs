@@ -77,6 +77,7 @@ async fn only_the_jobs_own_svid_may_claim() {
             envelope: assignment.encode(),
             environment: None,
             updated_at_ms: now_ms(),
+            created_at_ms: now_ms(),
         })
         .await
         .unwrap();

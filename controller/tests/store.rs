@@ -92,6 +92,7 @@ fn record(n: u64, placement: &str) -> Record {
         envelope: format!("envelope of task {n}").into_bytes(),
         environment: None,
         updated_at_ms: 1_700_000_000_000,
+        created_at_ms: 1_700_000_000_000,
     }
 }
 

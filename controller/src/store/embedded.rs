@@ -461,6 +461,10 @@ fn release(shared: &Shared, seq: u64, token: u64) -> bool {
 
 #[async_trait]
 impl Consumer for EmbeddedConsumer {
+    /// Waits on the store's `Notify` and on the earliest timer that can change the
+    /// answer; never polls. If this future is dropped after an entry was marked in
+    /// flight (while its delivery is being counted), that entry comes again after the
+    /// ack wait, as with JetStream.
     async fn next(&mut self, wait: Duration) -> Result<Option<Box<dyn Delivery>>, StoreError> {
         let deadline = Instant::now() + wait;
         loop {
@@ -545,6 +549,7 @@ mod tests {
             envelope: vec![],
             environment: None,
             updated_at_ms: 0,
+            created_at_ms: 0,
         }
     }
 

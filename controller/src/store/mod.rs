@@ -54,6 +54,10 @@ pub struct Record {
     /// The driver's name for the environment once it was created (recovery metadata).
     pub environment: Option<String>,
     pub updated_at_ms: i64,
+    /// When the task was fetched from Gitea (Unix ms): the start of the job-startup
+    /// and claim-latency measurements.
+    #[serde(default)]
+    pub created_at_ms: i64,
 }
 
 /// A record with the revision it was read at, for compare-and-set.
