@@ -43,7 +43,8 @@ pub struct SchedulerConfig {
 /// What one loop did with one task, for tests and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Persisted { assignment_id: String, placement: String },
+    /// `latency`: from FetchTask's reply to the store's confirmation.
+    Persisted { assignment_id: String, placement: String, latency: Duration },
     AlreadyPersisted { assignment_id: String },
     Rejected { task_id: i64, reason: String },
 }
@@ -141,6 +142,7 @@ impl Scheduler {
 
     async fn handle(&self, task: Task, shutdown: &CancellationToken) {
         let fetched_at_ms = now_ms();
+        let fetched = std::time::Instant::now();
         let task_id = task.id;
         let assignment = match Assignment::from_task(task, &self.config.trust_domain) {
             Ok(assignment) => assignment,
@@ -174,7 +176,7 @@ impl Scheduler {
                 Ok(created) => {
                     tracing::info!(assignment_id = %record.assignment_id, task_id, placement = %record.placement, created, "assignment persisted");
                     self.observe(if created {
-                        Outcome::Persisted { assignment_id: record.assignment_id.clone(), placement: record.placement.clone() }
+                        Outcome::Persisted { assignment_id: record.assignment_id.clone(), placement: record.placement.clone(), latency: fetched.elapsed() }
                     } else {
                         Outcome::AlreadyPersisted { assignment_id: record.assignment_id.clone() }
                     });
