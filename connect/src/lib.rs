@@ -24,4 +24,4 @@ pub use client::{CallOptions, Client};
 pub use code::Code;
 pub use codec::{Codec, Message};
 pub use error::ConnectError;
-pub use server::{Request, Response, Router, serve};
+pub use server::{Request, Response, Router, error_chain, serve};

@@ -378,8 +378,8 @@ fn error_response(status: StatusCode, error: &ConnectError) -> http::Response<Fu
     response
 }
 
-/// "outer: inner: innermost", for messages that must say what went wrong in one line.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+/// "outer: inner: innermost": every layer of an error in one line, printed once.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

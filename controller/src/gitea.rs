@@ -273,6 +273,32 @@ impl Gitea {
     }
 }
 
+impl Gitea {
+    /// Fails a task for good: one log line saying why (sealing the log), then the final
+    /// state. Used when a task cannot run here or its environment died.
+    ///
+    /// # Errors
+    /// When Gitea did not accept the final state.
+    pub async fn fail_task(&self, task_id: i64, reason: &str) -> Result<(), GiteaError> {
+        use proto::runner::v1::{LogRow, Result as TaskResult, TaskState};
+        let now = prost_types::Timestamp::from(std::time::SystemTime::now());
+        let log = UpdateLogRequest {
+            task_id,
+            index: 0,
+            rows: vec![LogRow { time: Some(now), content: format!("gitea-dynamic-runner: {reason}") }],
+            no_more: true,
+        };
+        if let Err(error) = self.update_log(&log).await {
+            tracing::warn!(task_id, %error, "could not write the reason into the job log");
+        }
+        let state = UpdateTaskRequest {
+            state: Some(TaskState { id: task_id, result: TaskResult::Failure as i32, started_at: Some(now), stopped_at: Some(now), steps: Vec::new() }),
+            outputs: Default::default(),
+        };
+        self.update_task(&state).await.map(|_| ())
+    }
+}
+
 /// gitea-runner's rule: `unauthenticated`, or the old servers' `unknown` carrying the
 /// gRPC-style text (reference §1.3).
 pub fn is_unregistered(error: &ConnectError) -> bool {

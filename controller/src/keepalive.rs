@@ -29,16 +29,85 @@ pub struct KeepAlive {
 }
 
 impl KeepAlive {
-    /// Runs a round every `interval` until `shutdown`.
+    /// Runs a round (keep-alive, then reconciliation) every `interval` until `shutdown`.
     pub async fn run(&self, interval: Duration, shutdown: CancellationToken) {
         loop {
             if let Err(error) = self.round().await {
                 tracing::warn!(%error, "keep-alive round failed");
             }
+            if let Err(error) = self.reconcile().await {
+                tracing::warn!(%error, "reconciliation failed");
+            }
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(interval) => {}
             }
+        }
+    }
+
+    /// Environments are the truth for what runs: deletes environments marked terminal
+    /// and orphans without a live assignment, and fails in Gitea the tasks whose
+    /// environment exited before the task ended. Returns how many environments it removed.
+    ///
+    /// # Errors
+    /// When the store cannot be read.
+    pub async fn reconcile(&self) -> Result<usize, StoreError> {
+        let mut removed = 0;
+        for (placement, driver) in &self.drivers {
+            let selector = std::collections::BTreeMap::from([(crate::driver::LABEL_PLACEMENT.to_owned(), placement.clone())]);
+            let environments = match driver.list(&selector).await {
+                Ok(environments) => environments,
+                Err(error) => {
+                    tracing::warn!(%placement, %error, "cannot list environments");
+                    continue;
+                }
+            };
+            for environment in environments {
+                let record = self.store.get(&environment.assignment_id).await?;
+                let finished = record.as_ref().is_none_or(|r| matches!(r.value.state, State::Terminal { .. }));
+                let delete = match environment.phase {
+                    crate::driver::Phase::Terminal => true,
+                    crate::driver::Phase::Running => finished,
+                    crate::driver::Phase::Exited => {
+                        if let Some(record) = record.filter(|_| !finished) {
+                            self.environment_died(record, &environment.name).await?;
+                        }
+                        true
+                    }
+                };
+                if delete {
+                    match driver.delete(&environment.name).await {
+                        Ok(()) => {
+                            removed += 1;
+                            if let Some(pool) = self.pools.get(placement) {
+                                pool.release(&environment.assignment_id);
+                            }
+                            tracing::info!(environment = %environment.name, assignment_id = %environment.assignment_id, "environment deleted");
+                        }
+                        Err(error) => tracing::warn!(environment = %environment.name, %error, "cannot delete the environment"),
+                    }
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    /// The environment ended on its own before its task did: fail the task, say why.
+    async fn environment_died(&self, record: crate::store::Versioned<crate::store::Record>, name: &str) -> Result<(), StoreError> {
+        let id = record.value.assignment_id.clone();
+        let Some(task_id) = envelope::task_id_of(&id) else { return Ok(()) };
+        let reason = format!("the job's environment {name} exited before the job finished; see the environment's logs");
+        tracing::error!(assignment_id = %id, task_id, "{reason}");
+        if let Err(error) = self.gitea.fail_task(task_id, &reason).await {
+            tracing::error!(assignment_id = %id, task_id, %error, "cannot fail the task in Gitea");
+            return Ok(());
+        }
+        let mut next = record.value.clone();
+        next.state = State::Terminal { result: TaskResult::Failure.as_str_name().to_owned() };
+        next.updated_at_ms = now_ms();
+        match self.store.update(&next, record.revision).await {
+            Ok(_) | Err(StoreError::Conflict { .. }) => Ok(()),
+            Err(error) => Err(error),
         }
     }
 

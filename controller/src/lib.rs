@@ -36,17 +36,7 @@ pub mod worker;
 
 use std::process::ExitCode;
 
-/// "outer: inner: innermost" in one line.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub use connect::error_chain;
 
 /// Exit code for invalid configuration (EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;

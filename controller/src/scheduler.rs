@@ -16,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-use proto::runner::v1::{LogRow, Result as TaskResult, Task, TaskState, UpdateLogRequest, UpdateTaskRequest};
+use proto::runner::v1::Task;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -199,33 +199,10 @@ impl Scheduler {
         }
     }
 
-    /// Fails a task in Gitea at once: one log line saying why, then the final state.
+    /// Fails a task in Gitea at once, with the reason in its log.
     async fn reject(&self, task_id: i64, reason: &str) {
         tracing::error!(task_id, "task cannot run here, failing it in Gitea: {reason}");
-        let now = prost_types::Timestamp::from(std::time::SystemTime::now());
-        let log = UpdateLogRequest {
-            task_id,
-            index: 0,
-            rows: vec![LogRow {
-                time: Some(now),
-                content: format!("gitea-dynamic-runner: this job cannot run: {reason}"),
-            }],
-            no_more: true,
-        };
-        if let Err(error) = self.gitea.update_log(&log).await {
-            tracing::warn!(task_id, %error, "could not write the reason into the job log");
-        }
-        let state = UpdateTaskRequest {
-            state: Some(TaskState {
-                id: task_id,
-                result: TaskResult::Failure as i32,
-                started_at: Some(now),
-                stopped_at: Some(now),
-                steps: Vec::new(),
-            }),
-            outputs: Default::default(),
-        };
-        if let Err(error) = self.gitea.update_task(&state).await {
+        if let Err(error) = self.gitea.fail_task(task_id, &format!("this job cannot run: {reason}")).await {
             tracing::error!(task_id, %error, "could not fail the task in Gitea; it will time out there");
         }
         self.observe(Outcome::Rejected { task_id, reason: reason.to_owned() });

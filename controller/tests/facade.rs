@@ -286,3 +286,44 @@ async fn keep_alive_heartbeats_pending_tasks_and_cleans_up_cancelled_ones() {
     assert_eq!(h.pool.in_use(), 1);
     h.shutdown.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciler_deletes_finished_environments_and_fails_tasks_whose_environment_died() {
+    let mut h = harness(2, 2).await;
+    let envs = environments(&h, 2).await;
+    let keep_alive = controller::keepalive::KeepAlive {
+        store: Arc::clone(&h.store),
+        gitea: h.facade_gitea(),
+        drivers: HashMap::from([("container.docker".to_owned(), Arc::new(h.driver.clone()) as Arc<dyn Driver>)]),
+        pools: HashMap::from([("container.docker".to_owned(), Arc::clone(&h.pool))]),
+    };
+    // Nothing to do while both run.
+    assert_eq!(keep_alive.reconcile().await.unwrap(), 0);
+
+    // One finishes normally (marked terminal by the facade), one dies on its own.
+    let (done_id, done_capability) = envs[0].clone();
+    let task = h.client.claim(claim(&done_id, &done_capability, HOLDER)).await.unwrap().into_inner().task.unwrap();
+    let finished = runner::UpdateTaskRequest {
+        state: Some(runner::TaskState { id: task.id, result: TaskResult::Success as i32, stopped_at: Some(prost_types::Timestamp::default()), ..Default::default() }),
+        outputs: Default::default(),
+    };
+    h.client.update_task(UpdateTaskRequest { credential: credential(&done_id, &done_capability), request: Some(finished) }).await.unwrap();
+    let (dead_id, _) = envs[1].clone();
+    let dead_task = controller::envelope::task_id_of(&dead_id).unwrap();
+    {
+        let mut recorded = h.driver.recorded.lock().unwrap();
+        let entry = recorded.environments.values_mut().find(|(spec, _)| spec.assignment_id == dead_id).unwrap();
+        entry.1 = controller::driver::Phase::Exited;
+    }
+
+    assert_eq!(keep_alive.reconcile().await.unwrap(), 2);
+    assert!(h.driver.recorded.lock().unwrap().environments.is_empty(), "environments left");
+    assert_eq!(h.pool.in_use(), 0);
+    h.fake.with(|s| {
+        let record = &s.tasks[&dead_task];
+        assert_eq!(record.final_result, Some(TaskResult::Failure as i32));
+        assert!(record.log.iter().any(|l| l.contains("exited before the job finished")), "{:?}", record.log);
+    });
+    assert!(matches!(h.store.get(&dead_id).await.unwrap().unwrap().value.state, State::Terminal { .. }));
+    h.shutdown.cancel();
+}

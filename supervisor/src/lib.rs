@@ -30,17 +30,7 @@ pub mod run;
 pub mod storage;
 pub mod units;
 
-/// "outer: inner: innermost": each error layer says one thing, printed once here.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub use connect::error_chain;
 
 /// One place that sets up logging: `RUST_LOG` filters (default `info`), to stderr,
 /// each line prefixed so it stands out in a job's log.
