@@ -5,6 +5,8 @@
 //! controller must not fall below), and the process RSS with 1,000 pending assignments.
 //! Asserts nothing about timing.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "../tests/common/fake_gitea.rs"]
 mod fake_gitea;
 #[path = "../tests/common/nats.rs"]
