@@ -118,7 +118,7 @@ async fn pipeline(name: &str, store: Arc<dyn Store>) {
 async fn main() {
     println!("{TASKS} tasks from the fake Gitea (in this process), {LOOPS} FetchTask loops, 2 worker threads");
     println!("fake Gitea alone hands out {:.0} tasks/s (FetchTask without persisting)", fetch_ceiling().await);
-    let dir = std::env::var_os("BENCH_DIR").map_or_else(|| std::env::temp_dir(), std::path::PathBuf::from);
+    let dir = std::env::var_os("BENCH_DIR").map_or_else(std::env::temp_dir, std::path::PathBuf::from);
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(format!("pipeline-{}.redb", std::process::id()));
     pipeline("embedded", Arc::new(Embedded::open(&file).unwrap())).await;
