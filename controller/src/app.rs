@@ -73,15 +73,21 @@ impl Components {
     }
 }
 
-/// The drivers this build has. The real drivers arrive with their own issues; the
-/// directory driver exists only in `test-driver` builds.
-fn driver_for(placement: Placement) -> Option<Arc<dyn Driver>> {
+/// The driver of a placement, if this build has one: docker for container.docker
+/// (kubernetes and opensandbox arrive with their own issues); in `test-driver` builds
+/// the directory driver when GDR_TEST_DRIVER_DIR is set.
+async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Option<Arc<dyn Driver>>> {
     #[cfg(feature = "test-driver")]
     if let Ok(dir) = std::env::var("GDR_TEST_DRIVER_DIR") {
-        return Some(Arc::new(crate::test_driver::DirectoryDriver { placement, dir: dir.into() }));
+        return Ok(Some(Arc::new(crate::test_driver::DirectoryDriver { placement, dir: dir.into() })));
     }
-    let _ = placement;
-    None
+    if placement == Placement::CONTAINER_DOCKER
+        && let Some(docker) = &config.docker
+    {
+        let driver = crate::driver::docker::DockerDriver::connect(docker.clone()).await.context("docker")?;
+        return Ok(Some(Arc::new(driver)));
+    }
+    Ok(None)
 }
 
 /// Runs until `shutdown`, then joins every component (bounded by 30 s).
@@ -123,12 +129,12 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
         let name = pool.placement.to_string();
         pools.insert(name.clone(), Arc::new(Pool::new(name.clone(), pool.capacity)));
         metrics.pool_capacity.get_or_create(&PlacementLabel { placement: name.clone() }).set(i64::try_from(pool.capacity).unwrap_or(i64::MAX));
-        match driver_for(pool.placement) {
+        match driver_for(pool.placement, &config).await? {
             Some(driver) => {
                 drivers.insert(name, driver);
             }
             None if components.worker_for(pool.placement) => {
-                bail!("pool {name}: this build has no {} driver yet; run the worker where one exists, or leave it out of --components", pool.placement.driver)
+                bail!("pool {name}: this build has no {} driver yet (only docker); leave this worker out of --components", pool.placement.driver)
             }
             None => {}
         }

@@ -22,6 +22,8 @@ pub struct Config {
     /// One pool per enabled placement.
     #[serde(rename = "pool", default)]
     pub pools: Vec<PoolConfig>,
+    /// The docker driver (placement container.docker).
+    pub docker: Option<crate::driver::docker::DockerConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -254,6 +256,9 @@ impl Config {
                 return invalid("pool.placement", format!("{} is configured twice", pool.placement));
             }
         }
+        if self.pools.iter().any(|p| p.placement == Placement::CONTAINER_DOCKER) && self.docker.is_none() {
+            return invalid("docker", "pool container.docker needs a [docker] section with at least `image`".into());
+        }
         if self.facade.unix_socket.is_none() && self.facade.listen.is_none() {
             return invalid("facade", "set facade.unix_socket, facade.listen, or both".into());
         }
@@ -302,6 +307,9 @@ url = "unix:///run/gdr/facade.sock"
 [[pool]]
 placement = "container.docker"
 capacity = 4
+
+[docker]
+image = "gitea-dynamic-runner/runner:latest"
 "#;
 
     fn parse(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
@@ -337,6 +345,7 @@ capacity = 4
             ("unix_socket = \"/run/gdr/facade.sock\"", "", &[], "facade"),
             ("[identity]", "[identity]\ncolour = \"blue\"", &[], "colour"),
             ("", "", &[("GDR_GITEA_REGISTRATION_TOKEN", "t")], "registration_token_file"),
+            ("[docker]\nimage = \"gitea-dynamic-runner/runner:latest\"", "", &[], "docker"),
             ("", "", &[("GDR_FACADE_CAPABILITY_KEY", "k")], "capability_key_file"),
             ("unix_socket = \"/run/gdr/facade.sock\"", "listen = \"0.0.0.0:9443\"", &[], "facade.spiffe_endpoint_socket"),
             ("[[pool]]", "[store]\nkind = \"jetstream\"\nurl = \"http://nats\"\n[[pool]]", &[], "store.url"),

@@ -69,6 +69,9 @@ listen = "127.0.0.1:0"
 [[pool]]
 placement = "container.docker"
 capacity = 4
+
+[docker]
+image = "unused-with-the-test-driver"
 "#,
             gitea = gitea.url(),
             dir = d.display(),
@@ -141,7 +144,15 @@ async fn wait_for_environments(dir: &Path, n: usize, timeout: Duration) -> Vec<(
         if found.len() >= n {
             return found;
         }
-        assert!(Instant::now() < deadline, "only {} of {n} environments after {timeout:?}", found.len());
+        if Instant::now() >= deadline {
+            let logs: String = std::fs::read_dir(dir.parent().unwrap())
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
+                .map(|e| format!("--- {}\n{}", e.path().display(), std::fs::read_to_string(e.path()).unwrap_or_default()))
+                .collect();
+            panic!("only {} of {n} environments after {timeout:?}: {found:?}\n{logs}", found.len());
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -193,14 +204,18 @@ fn assert_each_finished_once(gitea: &FakeGitea, expected: usize) {
 async fn kill_between_persist_and_environment_creation() {
     let nats = nats::NatsServer::start();
     let gitea = FakeGitea::start().await;
-    for _ in 0..3 {
-        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
-    }
+    // One job before the crash, so no other task is between fetch and persist when the
+    // process dies (that window is the next test's); two more after the restart.
+    gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
     let setup = setup(&gitea, &nats);
     let mut crashed = controller(&setup, Some("before-create"));
     let status = wait_for_exit(&mut crashed, Duration::from_secs(60));
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
     assert!(environments(&setup.envs).is_empty(), "an environment was created before the crash point");
+    assert_eq!(gitea.with(|s| s.tasks.len()), 1);
+    for _ in 0..2 {
+        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+    }
 
     let _running = Stop(controller(&setup, None));
     let envs = wait_for_environments(&setup.envs, 3, Duration::from_secs(60)).await;

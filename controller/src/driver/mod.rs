@@ -11,6 +11,8 @@ use async_trait::async_trait;
 
 use crate::placement::Placement;
 
+pub mod docker;
+
 /// Labels every environment carries (recovery metadata).
 pub const LABEL_ASSIGNMENT: &str = "gitea-dynamic-runner/assignment-id";
 pub const LABEL_PLACEMENT: &str = "gitea-dynamic-runner/placement";
