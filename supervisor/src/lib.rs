@@ -13,6 +13,7 @@
 //! - [`agent`]: the runner-uid process: identity wait, readiness socket, the job.
 //! - [`identity`]: waiting for the exact X.509 SVID through the Workload API.
 //! - [`ready`] and [`hook`]: the readiness protocol and `supervisor job-started`.
+//! - [`loopback`]: the RunnerService an unmodified gitea-runner talks to, on 127.0.0.1.
 //! - [`doctor`]: independent PASS/FAIL/SKIP checks.
 //! - [`exit`]: every exit code in one place; [`units`]: size and duration parsing.
 
@@ -24,6 +25,7 @@ pub mod doctor;
 pub mod exit;
 pub mod hook;
 pub mod identity;
+pub mod loopback;
 pub mod pid1;
 pub mod ready;
 pub mod run;
