@@ -7,8 +7,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../tests/common/fake_gitea.rs"]
-mod fake_gitea;
 #[path = "../tests/common/nats.rs"]
 mod nats;
 
@@ -20,7 +18,7 @@ use controller::{
     scheduler::{Outcome, Scheduler, SchedulerConfig},
     store::{Store, embedded::Embedded, jetstream::JetStream},
 };
-use fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN};
+use testkit::fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN};
 use tokio_util::sync::CancellationToken;
 
 const TASKS: usize = 1_000;

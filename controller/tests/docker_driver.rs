@@ -85,15 +85,16 @@ fn import_image(docker: &Dockerd) {
     for applet in ["sh", "sleep"] {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
     }
-    let tar = Command::new("tar").arg("-C").arg(&rootfs).args(["-c", "."]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut tar = Command::new("tar").arg("-C").arg(&rootfs).args(["-c", "."]).stdout(Stdio::piped()).spawn().unwrap();
     let status = Command::new("docker")
         .env("DOCKER_HOST", format!("unix://{}", docker.socket.display()))
         .args(["import", "--change", r#"ENTRYPOINT ["/bin/sleep", "3600"]"#, "-", "gdr-runner:test"])
-        .stdin(tar.stdout.unwrap())
+        .stdin(tar.stdout.take().unwrap())
         .stdout(Stdio::null())
         .status()
         .unwrap();
     assert!(status.success());
+    assert!(tar.wait().unwrap().success());
 }
 
 fn spec(assignment_id: &str, facade_socket: &str) -> EnvironmentSpec {

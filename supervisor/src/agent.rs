@@ -42,7 +42,28 @@ pub struct AgentConfig {
     pub docker_host: Option<String>,
     pub socket: PathBuf,
     pub command: Vec<String>,
+    /// With a facade: claim the task and serve it to gitea-runner (the job command)
+    /// through the loopback RunnerService; without: just run the command.
+    #[serde(default)]
+    pub facade: Option<FacadeSettings>,
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FacadeSettings {
+    pub url: String,
+    pub spiffe_id: Option<String>,
+    pub assignment_id: String,
+    /// Labels for the `.runner` file (CI_RUNNER_LABELS_JSON).
+    pub labels: Vec<String>,
+    /// gitea-runner's working directory, where `.runner` is written.
+    pub runner_dir: PathBuf,
+    /// Keeps the claim's holder id across agent restarts.
+    pub holder_file: PathBuf,
+}
+
+/// The capability comes from the environment the driver set, and is not passed on to
+/// the job (a job step must not be able to report for its own task).
+pub const CAPABILITY_ENV: &str = "CI_RUNNER_CAPABILITY";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct IdentitySettings {
@@ -132,8 +153,14 @@ async fn run(config: AgentConfig) -> u8 {
 
     let code = 'outcome: {
         let mut watching = readiness.clone();
+        // With a facade the runner starts once claimed; the job-started hook holds the
+        // first step until dockerd is ready, so dockerd's start overlaps the runner's.
+        let needs_docker = config.facade.is_none();
         loop {
-            let now = watching.borrow_and_update().clone();
+            let mut now = watching.borrow_and_update().clone();
+            if !needs_docker && !now.docker.is_failed() {
+                now.docker = Status::Off;
+            }
             if now.identity.is_failed() {
                 tracing::error!("agent: {}", now.identity);
                 break 'outcome exit::IDENTITY;
@@ -155,7 +182,10 @@ async fn run(config: AgentConfig) -> u8 {
                 }
             }
         }
-        run_job(&config, &mut signals).await
+        match &config.facade {
+            None => run_job(&config, None, &mut signals).await,
+            Some(facade) => serve_the_runner(&config, facade, readiness.clone(), &mut signals).await,
+        }
     };
     tasks.abort_all();
     server.abort();
@@ -170,13 +200,114 @@ fn stops_before_start(signal: Signal) -> bool {
     matches!(signal, Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP | Signal::SIGQUIT)
 }
 
-async fn run_job(config: &AgentConfig, signals: &mut Signals) -> u8 {
+/// Claims the task, writes `.runner`, serves the loopback RunnerService and runs
+/// gitea-runner (the job command) with phases reported to the facade.
+async fn serve_the_runner(config: &AgentConfig, facade: &FacadeSettings, readiness: watch::Receiver<Readiness>, signals: &mut Signals) -> u8 {
+    use proto::facade::v1::Phase;
+    let Ok(capability) = std::env::var(CAPABILITY_ENV) else {
+        tracing::error!("agent: {CAPABILITY_ENV} is not set; the driver injects it with the assignment");
+        return exit::USAGE;
+    };
+    let endpoint = config.identity.as_ref().map(|i| i.endpoint.clone());
+    let client = match crate::facade_client::FacadeClient::connect(&facade.url, facade.spiffe_id.as_deref(), endpoint.as_deref(), &facade.assignment_id, &capability).await {
+        Ok(client) => client,
+        Err(error) => {
+            tracing::error!("agent: {}", crate::error_chain(&error));
+            return exit::CLAIM;
+        }
+    };
+    if config.identity.is_some() {
+        client.report(Phase::IdentityReady, "", 0).await;
+    }
+    let holder = match holder(&facade.holder_file) {
+        Ok(holder) => holder,
+        Err(error) => {
+            tracing::error!(file = %facade.holder_file.display(), %error, "agent: cannot keep the holder id");
+            return exit::INTERNAL;
+        }
+    };
+    let task = match client.claim(&holder, Duration::from_secs(120)).await {
+        Ok(task) => task,
+        Err(error) => {
+            tracing::error!("agent: {}", crate::error_chain(&error));
+            client.report(Phase::Failed, &error.to_string(), 0).await;
+            return exit::CLAIM;
+        }
+    };
+    tracing::info!(assignment_id = %facade.assignment_id, task_id = task.id, "claimed");
+    client.report(Phase::Claimed, "", 0).await;
+
+    let runner = match crate::loopback::LocalRunner::new(&facade.assignment_id, facade.labels.clone()) {
+        Ok(runner) => runner,
+        Err(error) => {
+            tracing::error!(%error, "agent: no randomness for the local runner token");
+            return exit::INTERNAL;
+        }
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let upstream: std::sync::Arc<dyn crate::loopback::Upstream> = std::sync::Arc::new(client.clone());
+    let (address, server) = match crate::loopback::start(crate::loopback::router(runner.clone(), task, upstream), shutdown.clone()).await {
+        Ok(started) => started,
+        Err(error) => {
+            tracing::error!(%error, "agent: cannot listen on 127.0.0.1");
+            return exit::INTERNAL;
+        }
+    };
+    let written = std::fs::create_dir_all(&facade.runner_dir)
+        .and_then(|()| write_private(&facade.runner_dir.join(".runner"), &runner.runner_file(&format!("http://{address}"))));
+    if let Err(error) = written {
+        tracing::error!(dir = %facade.runner_dir.display(), %error, "agent: cannot write .runner");
+        return exit::INTERNAL;
+    }
+    // Report dockerd's readiness when it comes, without holding the runner back.
+    let docker_reporter = {
+        let (client, mut readiness) = (client.clone(), readiness);
+        tokio::spawn(async move {
+            let docker = readiness.wait_for(|r| !matches!(r.docker, Status::Waiting(_))).await.map(|r| r.docker.clone());
+            match docker {
+                Ok(Status::Ready(detail)) => client.report(Phase::DockerReady, &detail, 0).await,
+                Ok(Status::Failed(detail)) => client.report(Phase::Failed, &format!("dockerd: {detail}"), 0).await,
+                _ => {}
+            }
+        })
+    };
+    client.report(Phase::RunnerStarted, "", 0).await;
+    let code = run_job(config, Some(&facade.runner_dir), signals).await;
+    client.report(Phase::RunnerExited, "", i32::from(code)).await;
+    docker_reporter.abort();
+    shutdown.cancel();
+    let _ = server.await;
+    code
+}
+
+/// A random holder id, kept in `file` so that a restarted agent claims as the same holder.
+fn holder(file: &Path) -> std::io::Result<String> {
+    if let Ok(existing) = std::fs::read_to_string(file)
+        && existing.trim().len() >= 16
+    {
+        return Ok(existing.trim().to_owned());
+    }
+    let holder = crate::loopback::random_hex(24)?;
+    write_private(file, holder.as_bytes())?;
+    Ok(holder)
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::{io::Write, os::unix::fs::OpenOptionsExt};
+    let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    file.write_all(bytes)
+}
+
+async fn run_job(config: &AgentConfig, cwd: Option<&Path>, signals: &mut Signals) -> u8 {
     let Some((program, args)) = config.command.split_first() else {
         return exit::USAGE;
     };
     let mut command = tokio::process::Command::new(program);
     command.args(args).stdin(Stdio::inherit()).stdout(Stdio::inherit()).stderr(Stdio::inherit());
-    command.env_remove(CONFIG_ENV);
+    command.env_remove(CONFIG_ENV).env_remove(CAPABILITY_ENV);
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
     if let Some(host) = &config.docker_host {
         command.env("DOCKER_HOST", host);
     }

@@ -19,14 +19,14 @@ pub struct Cli {
 pub enum Command {
     /// Be PID 1: prepare storage, cgroups and a job-local dockerd, start the agent
     /// (as the runner uid) that waits for identity and runs COMMAND, and drain in order.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// The agent half of `run` (started by PID 1 as the runner uid; not for direct use).
     #[command(hide = true)]
     Agent,
     /// gitea-runner's job-started hook: wait until identity and dockerd are ready.
     JobStarted(JobStartedArgs),
     /// Diagnose this environment: independent checks with PASS/FAIL/SKIP.
-    Doctor(DoctorArgs),
+    Doctor(Box<DoctorArgs>),
     /// Print the version.
     Version,
 }
@@ -103,6 +103,23 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_IDENTITY_TIMEOUT", default_value = "180s", value_parser = parse_positive_duration)]
     pub identity_timeout: Duration,
 
+    /// The controller's facade (unix:///path or https://host:port). When set, the agent
+    /// claims the task and serves it to gitea-runner (COMMAND) on 127.0.0.1.
+    #[arg(long, env = "CI_RUNNER_FACADE_URL")]
+    pub facade_url: Option<String>,
+    /// The facade's SPIFFE ID, required for https facade URLs.
+    #[arg(long, env = "CI_RUNNER_FACADE_SPIFFE_ID")]
+    pub facade_spiffe_id: Option<String>,
+    /// The assignment this environment runs (gitea-task-<id>).
+    #[arg(long, env = "CI_ASSIGNMENT_ID")]
+    pub assignment_id: Option<String>,
+    /// The runner labels for the .runner file, as a JSON array of strings.
+    #[arg(long, env = "CI_RUNNER_LABELS_JSON", value_parser = parse_labels, default_value = "[\"self-hosted\"]")]
+    pub runner_labels_json: RunnerLabels,
+    /// gitea-runner's working directory (its .runner file is written there).
+    #[arg(long, env = "SUPERVISOR_RUNNER_DIR", default_value = "/home/runner", value_parser = parse_absolute)]
+    pub runner_dir: PathBuf,
+
     /// Time from SIGTERM to exit: runner, dockerd, unmount, loop detach, then SIGKILL.
     /// The default stays inside Kubernetes' 30 s termination grace period.
     #[arg(long, env = "SUPERVISOR_DRAIN_TIMEOUT", default_value = "25s", value_parser = parse_drain)]
@@ -154,6 +171,17 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
                 .into());
         }
     }
+    if let Some(url) = &args.facade_url {
+        if args.assignment_id.as_deref().is_none_or(str::is_empty) {
+            return Err("--assignment-id (CI_ASSIGNMENT_ID) is required with --facade-url (CI_RUNNER_FACADE_URL)".into());
+        }
+        if !(url.starts_with("unix:///") || url.starts_with("https://")) {
+            return Err(format!("--facade-url (CI_RUNNER_FACADE_URL) {url:?} must be unix:///path or https://host:port"));
+        }
+        if url.starts_with("https://") && (args.facade_spiffe_id.is_none() || !args.identity) {
+            return Err("--facade-url (CI_RUNNER_FACADE_URL) https:// needs identity on and --facade-spiffe-id (CI_RUNNER_FACADE_SPIFFE_ID)".into());
+        }
+    }
     if args.runner_gid == args.docker_gid {
         return Err(format!(
             "--docker-gid (SUPERVISOR_DOCKER_GID) must differ from --runner-gid: both are {}",
@@ -173,6 +201,18 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The runner labels (CI_RUNNER_LABELS_JSON): one JSON array, one clap value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerLabels(pub Vec<String>);
+
+fn parse_labels(value: &str) -> Result<RunnerLabels, String> {
+    let labels: Vec<String> = serde_json::from_str(value).map_err(|e| format!("{value:?} is not a JSON array of strings: {e}"))?;
+    if labels.iter().any(String::is_empty) {
+        return Err("labels must not be empty strings".into());
+    }
+    Ok(RunnerLabels(labels))
 }
 
 fn parse_unprivileged_id(value: &str) -> Result<u32, String> {
@@ -256,7 +296,7 @@ mod tests {
         argv.extend_from_slice(args);
         let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
         match cli.command {
-            Command::Run(run) => validate(&run).map(|()| run),
+            Command::Run(run) => validate(&run).map(|()| *run),
             other => Err(format!("unexpected {other:?}")),
         }
     }
@@ -277,6 +317,7 @@ mod tests {
         assert_eq!(run.storage_size, 20 << 30);
         assert_eq!(run.drain_timeout, Duration::from_secs(25));
         assert_eq!(run.command, vec!["true"]);
+        assert_eq!(run.runner_labels_json, RunnerLabels(vec!["self-hosted".into()]));
     }
 
     /// Each invalid value must give an error that names its setting.
@@ -305,6 +346,10 @@ mod tests {
             (&["--spiffe-endpoint", "tcp://localhost:80"], "--spiffe-endpoint"),
             (&["--cgroup-root", "sys/fs/cgroup"], "--cgroup-root"),
             (&["--state-dir", "run"], "--state-dir"),
+            (&["--runner-labels-json", "self-hosted"], "--runner-labels-json"),
+            (&["--facade-url", "unix:///run/f.sock"], "--assignment-id"),
+            (&["--facade-url", "http://controller", "--assignment-id", "gitea-task-1"], "--facade-url"),
+            (&["--facade-url", "https://controller:9443", "--assignment-id", "gitea-task-1"], "--facade-spiffe-id"),
         ];
         for &(extra, setting) in table {
             let error = parse(&with(extra)).expect_err(&format!("{extra:?} was accepted"));

@@ -16,6 +16,8 @@ pub const DOCKER: u8 = 72;
 pub const STORAGE: u8 = 73;
 /// `job-started`: identity or dockerd not ready before the hook's deadline.
 pub const NOT_READY: u8 = 74;
+/// The task could not be claimed from the facade (refused, or unreachable).
+pub const CLAIM: u8 = 75;
 /// The job command could not be executed: not found (126 for permission, as shells).
 pub const COMMAND_NOT_FOUND: u8 = 127;
 pub const COMMAND_NOT_EXECUTABLE: u8 = 126;

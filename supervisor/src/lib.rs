@@ -23,6 +23,7 @@ pub mod cli;
 pub mod dockerd;
 pub mod doctor;
 pub mod exit;
+pub mod facade_client;
 pub mod hook;
 pub mod identity;
 pub mod loopback;

@@ -27,7 +27,7 @@ fn main() -> ExitCode {
                 eprintln!("error: {message}\n\nFor more information, try 'supervisor run --help'.");
                 return ExitCode::from(exit::USAGE);
             }
-            run::run(args)
+            run::run(*args)
         }
         Command::Agent => {
             init_logging("supervisor agent");

@@ -27,7 +27,7 @@ use std::{
 use nix::{fcntl::OFlag, sys::signal::Signal, unistd::Pid};
 
 use crate::{
-    agent::{self, AgentConfig, IdentitySettings},
+    agent::{self, AgentConfig, FacadeSettings, IdentitySettings},
     cgroup,
     cli::RunArgs,
     dockerd::{self, DockerdConfig},
@@ -151,6 +151,14 @@ impl Supervisor {
             docker_host: args.docker.then(|| format!("unix://{}", args.docker_socket.display())),
             socket: agent_dir.join("agent.sock"),
             command: args.command.clone(),
+            facade: args.facade_url.clone().map(|url| FacadeSettings {
+                url,
+                spiffe_id: args.facade_spiffe_id.clone(),
+                assignment_id: args.assignment_id.clone().unwrap_or_default(),
+                labels: args.runner_labels_json.0.clone(),
+                runner_dir: args.runner_dir.clone(),
+                holder_file: agent_dir.join("holder"),
+            }),
         };
         let json = serde_json::to_string(&config).map_err(|error| {
             tracing::error!(%error, "cannot encode the agent's configuration");

@@ -1,4 +1,4 @@
 #![allow(dead_code)]
 
-pub mod fake_gitea;
+pub use testkit::fake_gitea;
 pub mod memory_driver;

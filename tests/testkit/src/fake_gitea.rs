@@ -5,8 +5,6 @@
 //! the reply), UpdateLog (ack/no_more, gaps and duplicates not written) — and counts
 //! everything so tests can assert "executed exactly once, none lost".
 
-#![allow(dead_code, clippy::unwrap_used)]
-
 use std::{
     collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex},
