@@ -24,6 +24,7 @@ pub mod failpoint;
 pub mod gitea;
 pub mod identity;
 pub mod keepalive;
+pub mod local;
 pub mod metrics;
 pub mod placement;
 pub mod pool;
