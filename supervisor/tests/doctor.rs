@@ -22,6 +22,7 @@ fn doctor(args: &[String]) -> (i32, Value) {
         .env_remove("SPIFFE_ENDPOINT_SOCKET")
         .env_remove("CI_SPIFFE_ID")
         .env_remove("CI_RUNNER_FACADE_URL")
+        .env_remove("CI_ASSIGNMENT_ID")
         .output()
         .unwrap();
     let json: Value = serde_json::from_slice(&output.stdout)
@@ -49,6 +50,7 @@ fn broken_paths(dir: &std::path::Path) -> Vec<String> {
         format!("--dockerd-log={}", dir.join("dockerd.log").display()),
         format!("--loop-control={}", dir.join("loop-control").display()),
         format!("--runner={}", dir.join("gitea-runner").display()),
+        format!("--runner-dir={}", dir.join("runner").display()),
     ]
 }
 
@@ -141,4 +143,29 @@ fn doctor_inside_a_supervised_environment_sees_pid1_and_dockerd() {
     assert_check(&report, "pid1", "PASS", "PID 1 is the supervisor", "");
     assert_check(&report, "zombies", "PASS", "no zombie", "");
     assert_check(&report, "dockerd", "SKIP", "Docker is off", "");
+}
+
+#[test]
+fn the_runner_file_is_checked() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch();
+    let runner_dir = dir.path().join("runner");
+    let (_, report) = doctor(&broken_paths(dir.path()));
+    assert_check(&report, "runner-file", "SKIP", "does not exist", "");
+    std::fs::create_dir_all(&runner_dir).unwrap();
+    let file = runner_dir.join(".runner");
+    std::fs::write(&file, r#"{"uuid":"gitea-task-7","address":"http://127.0.0.1:4000","ephemeral":true}"#).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut args = broken_paths(dir.path());
+    args.push("--assignment-id=gitea-task-7".into());
+    let (_, report) = doctor(&args);
+    assert_check(&report, "runner-file", "PASS", "http://127.0.0.1:4000", "");
+    std::fs::write(&file, r#"{"uuid":"gitea-task-8","address":"https://gitea.example.com","ephemeral":false}"#).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (_, report) = doctor(&args);
+    let outcome = check(&report, "runner-file");
+    assert_eq!(outcome["status"], "FAIL");
+    for problem in ["not the loopback", "not ephemeral", "is not the assignment gitea-task-7", "readable by others"] {
+        assert!(outcome["reason"].as_str().unwrap().contains(problem), "{problem}: {outcome}");
+    }
 }

@@ -23,6 +23,7 @@ pub fn all(paths: &Paths) -> Vec<Outcome> {
         dockerd_check(paths),
         facade(paths),
         runner(paths),
+        runner_file(paths),
         zombies(),
     ]
 }
@@ -241,6 +242,45 @@ fn runner(paths: &Paths) -> Outcome {
             "set runner.hooks.job_started to `supervisor job-started` so steps wait for identity and dockerd",
         ),
         Ok(_) => Outcome::pass(ID, format!("{} with {} (job_started hook set)", binary.display(), paths.runner_config.display())),
+    }
+}
+
+/// The `.runner` the agent wrote: pointing gitea-runner at the loopback RunnerService,
+/// for this assignment, ephemeral, readable by the runner user only.
+fn runner_file(paths: &Paths) -> Outcome {
+    const ID: &str = "runner-file";
+    let path = paths.runner_dir.join(".runner");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Outcome::skip(ID, format!("{} does not exist (written once the agent claimed the task)", path.display()));
+        }
+        Err(error) => return Outcome::fail(ID, format!("cannot read {}: {error}", path.display()), "run doctor as the runner user or as root"),
+    };
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Outcome::fail(ID, format!("{} is not JSON", path.display()), "the agent writes it; do not edit it");
+    };
+    let mut problems = Vec::new();
+    let address = value["address"].as_str().unwrap_or("");
+    if !address.starts_with("http://127.0.0.1:") {
+        problems.push(format!("address {address:?} is not the loopback RunnerService"));
+    }
+    if value["ephemeral"] != true {
+        problems.push("not ephemeral".to_owned());
+    }
+    if let Some(expected) = &paths.assignment_id
+        && value["uuid"].as_str() != Some(expected.as_str())
+    {
+        problems.push(format!("uuid {} is not the assignment {expected}", value["uuid"]));
+    }
+    use std::os::unix::fs::PermissionsExt;
+    if std::fs::metadata(&path).map(|m| m.permissions().mode() & 0o077).unwrap_or(0) != 0 {
+        problems.push("readable by others (it holds the local runner token)".to_owned());
+    }
+    if problems.is_empty() {
+        Outcome::pass(ID, format!("{} points gitea-runner at {address}", path.display()))
+    } else {
+        Outcome::fail(ID, format!("{}: {}", path.display(), problems.join("; ")), "the agent rewrites it on its next start; a stale file from another assignment must go")
     }
 }
 

@@ -44,6 +44,11 @@ pub struct Paths {
     pub runner: PathBuf,
     #[arg(long, default_value = "/etc/gitea-runner/config.yaml")]
     pub runner_config: PathBuf,
+    /// gitea-runner's working directory, where the agent writes `.runner`.
+    #[arg(long, env = "SUPERVISOR_RUNNER_DIR", default_value = "/home/runner")]
+    pub runner_dir: PathBuf,
+    #[arg(long, env = "CI_ASSIGNMENT_ID")]
+    pub assignment_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
