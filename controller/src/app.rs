@@ -191,9 +191,10 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
         tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
         let keep_alive = KeepAlive { store: Arc::clone(&store), gitea: gitea.clone(), drivers: drivers.clone(), pools: pools.clone() };
         let interval = config.gitea.keepalive_interval;
+        let reconcile = config.gitea.reconcile_interval;
         let keep_shutdown = shutdown.clone();
         tasks.spawn(async move {
-            keep_alive.run(interval, keep_shutdown).await;
+            keep_alive.run(interval, reconcile, keep_shutdown).await;
             Ok(())
         });
     }

@@ -41,6 +41,9 @@ pub struct GiteaConfig {
     pub fetch_interval: Duration,
     #[serde(default = "default_keepalive", with = "duration")]
     pub keepalive_interval: Duration,
+    /// How often environments are compared with assignments (dead ones fail their task).
+    #[serde(default = "default_reconcile", with = "duration")]
+    pub reconcile_interval: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -122,6 +125,9 @@ fn default_fetch_interval() -> Duration {
 }
 fn default_keepalive() -> Duration {
     crate::keepalive::DEFAULT_INTERVAL
+}
+fn default_reconcile() -> Duration {
+    Duration::from_secs(10)
 }
 fn default_subject() -> String {
     "ci.assignments".into()
@@ -270,6 +276,9 @@ impl Config {
         }
         if self.gitea.keepalive_interval >= Duration::from_secs(600) || self.gitea.keepalive_interval.is_zero() {
             return invalid("gitea.keepalive_interval", "must be between 1s and 10m (Gitea's zombie timeout)".into());
+        }
+        if self.gitea.reconcile_interval < Duration::from_secs(1) {
+            return invalid("gitea.reconcile_interval", "must be at least 1s".into());
         }
         if let StoreConfig::Jetstream { url, .. } = &self.store
             && !url.starts_with("nats://")

@@ -29,18 +29,23 @@ pub struct KeepAlive {
 }
 
 impl KeepAlive {
-    /// Runs a round (keep-alive, then reconciliation) every `interval` until `shutdown`.
-    pub async fn run(&self, interval: Duration, shutdown: CancellationToken) {
+    /// Runs the keep-alive round every `interval` and reconciliation every `reconcile`
+    /// (often, so a dead environment fails its task promptly) until `shutdown`.
+    pub async fn run(&self, interval: Duration, reconcile: Duration, shutdown: CancellationToken) {
+        let mut last_round: Option<tokio::time::Instant> = None;
         loop {
-            if let Err(error) = self.round().await {
-                tracing::warn!(%error, "keep-alive round failed");
+            if last_round.is_none_or(|t| t.elapsed() >= interval) {
+                if let Err(error) = self.round().await {
+                    tracing::warn!(%error, "keep-alive round failed");
+                }
+                last_round = Some(tokio::time::Instant::now());
             }
             if let Err(error) = self.reconcile().await {
                 tracing::warn!(%error, "reconciliation failed");
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(interval) => {}
+                () = tokio::time::sleep(reconcile.min(interval)) => {}
             }
         }
     }
