@@ -46,6 +46,16 @@ impl Code {
         Code::Unauthenticated,
     ];
 
+    /// The gRPC status number (Connect codes are gRPC's, 1–16, in [`Code::ALL`]'s order).
+    pub fn grpc(self) -> i32 {
+        Code::ALL.iter().position(|c| *c == self).map_or(2, |i| i as i32 + 1)
+    }
+
+    /// The code of a gRPC status number; `None` for OK (0) and unknown numbers.
+    pub fn from_grpc(number: i32) -> Option<Code> {
+        usize::try_from(number).ok().and_then(|n| n.checked_sub(1)).and_then(|i| Code::ALL.get(i).copied())
+    }
+
     /// The snake_case name used in Connect JSON error bodies.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -172,6 +182,21 @@ mod tests {
             let status = StatusCode::from_u16(status).unwrap();
             assert_eq!(Code::from_http_status(status), code, "{status}");
         }
+    }
+
+    #[test]
+    fn grpc_numbers() {
+        let table: &[(Code, i32)] = &[(Code::Canceled, 1), (Code::Unknown, 2), (Code::DeadlineExceeded, 4), (Code::PermissionDenied, 7), (Code::ResourceExhausted, 8), (Code::Unavailable, 14), (Code::Unauthenticated, 16)];
+        for &(code, number) in table {
+            assert_eq!(code.grpc(), number, "{code}");
+            assert_eq!(Code::from_grpc(number), Some(code));
+        }
+        for code in Code::ALL {
+            assert_eq!(Code::from_grpc(code.grpc()), Some(code));
+        }
+        assert_eq!(Code::from_grpc(0), None);
+        assert_eq!(Code::from_grpc(17), None);
+        assert_eq!(Code::from_grpc(-1), None);
     }
 
     #[test]

@@ -261,27 +261,7 @@ fn store_status(error: StoreError) -> Status {
 /// Gitea's errors reach the runner as the same codes it would get from Gitea.
 fn gitea_status(error: GiteaError) -> Status {
     match &error {
-        GiteaError::Call { error: inner, .. } => {
-            let code = tonic::Code::from_i32(match inner.code {
-                connect::Code::Canceled => 1,
-                connect::Code::Unknown => 2,
-                connect::Code::InvalidArgument => 3,
-                connect::Code::DeadlineExceeded => 4,
-                connect::Code::NotFound => 5,
-                connect::Code::AlreadyExists => 6,
-                connect::Code::PermissionDenied => 7,
-                connect::Code::ResourceExhausted => 8,
-                connect::Code::FailedPrecondition => 9,
-                connect::Code::Aborted => 10,
-                connect::Code::OutOfRange => 11,
-                connect::Code::Unimplemented => 12,
-                connect::Code::Internal => 13,
-                connect::Code::Unavailable => 14,
-                connect::Code::DataLoss => 15,
-                connect::Code::Unauthenticated => 16,
-            });
-            Status::new(code, inner.message.clone())
-        }
+        GiteaError::Call { error: inner, .. } => Status::new(tonic::Code::from_i32(inner.code.grpc()), inner.message.clone()),
         _ => Status::unavailable(error.to_string()),
     }
 }

@@ -149,24 +149,7 @@ impl FacadeClient {
 
 /// The facade's gRPC status as the Connect error gitea-runner would get from Gitea.
 fn to_connect(status: tonic::Status) -> ConnectError {
-    let code = match status.code() {
-        tonic::Code::Cancelled => Code::Canceled,
-        tonic::Code::InvalidArgument => Code::InvalidArgument,
-        tonic::Code::DeadlineExceeded => Code::DeadlineExceeded,
-        tonic::Code::NotFound => Code::NotFound,
-        tonic::Code::AlreadyExists => Code::AlreadyExists,
-        tonic::Code::PermissionDenied => Code::PermissionDenied,
-        tonic::Code::ResourceExhausted => Code::ResourceExhausted,
-        tonic::Code::FailedPrecondition => Code::FailedPrecondition,
-        tonic::Code::Aborted => Code::Aborted,
-        tonic::Code::OutOfRange => Code::OutOfRange,
-        tonic::Code::Unimplemented => Code::Unimplemented,
-        tonic::Code::Internal => Code::Internal,
-        tonic::Code::Unavailable => Code::Unavailable,
-        tonic::Code::DataLoss => Code::DataLoss,
-        tonic::Code::Unauthenticated => Code::Unauthenticated,
-        tonic::Code::Ok | tonic::Code::Unknown => Code::Unknown,
-    };
+    let code = Code::from_grpc(status.code() as i32).unwrap_or(Code::Unknown);
     ConnectError::new(code, status.message().to_owned())
 }
 
