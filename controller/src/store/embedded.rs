@@ -85,6 +85,8 @@ impl Embedded {
                 db,
                 path: path.to_owned(),
                 flights: Mutex::new(Flights::default()),
+                batch: Mutex::new(Vec::new()),
+                committer: tokio::sync::Mutex::new(()),
                 notify: Notify::new(),
             }),
             ack_wait: DEFAULT_ACK_WAIT,
@@ -105,6 +107,10 @@ struct Shared {
     db: Database,
     path: PathBuf,
     flights: Mutex<Flights>,
+    /// Persists waiting for the next commit (group commit, see [`Embedded::persist`]).
+    batch: Mutex<Vec<PendingPersist>>,
+    /// Held by whoever commits the batch; everybody else's entries ride along.
+    committer: tokio::sync::Mutex<()>,
     /// Woken on everything that can make a delivery possible: persist, ack, nak and a
     /// change of a consumer's limit. Waiters re-check and otherwise sleep until the
     /// earliest nak delay or ack wait ends, so nothing polls.
@@ -210,28 +216,55 @@ pub(super) fn check_transition(current: &Record, next: &Record) -> Result<(), St
     }
 }
 
-fn persist_blocking(db: &Database, record: &Record, value: &[u8]) -> Result<bool, StoreError> {
-    let id = record.assignment_id.as_str();
-    let what = || format!("persisting {id}");
-    // One write transaction for record and queue entry: after a crash either both exist
-    // or neither, so a repeated persist has nothing to complete and enqueues nothing.
-    let txn = db.begin_write().ctx(what)?;
-    {
-        let mut records = txn.open_table(RECORDS).ctx(what)?;
-        if records.get(id).ctx(what)?.is_some() {
-            drop(records);
-            txn.abort().ctx(what)?;
-            return Ok(false);
+/// One persist waiting to be committed, and where its outcome goes.
+struct PendingPersist {
+    record: Record,
+    value: Vec<u8>,
+    reply: tokio::sync::oneshot::Sender<Result<bool, String>>,
+}
+
+/// Commits every pending persist in ONE write transaction (one fsync for all): record
+/// and queue entry of each together, so after a crash either both exist or neither,
+/// and a repeated persist has nothing to complete and enqueues nothing.
+fn persist_batch_blocking(db: &Database, batch: Vec<PendingPersist>) {
+    let outcome = (|| -> Result<Vec<bool>, StoreError> {
+        let what = || format!("persisting {} assignments", batch.len());
+        let txn = db.begin_write().ctx(what)?;
+        let mut created = Vec::with_capacity(batch.len());
+        {
+            let mut records = txn.open_table(RECORDS).ctx(what)?;
+            let mut meta = txn.open_table(META).ctx(what)?;
+            let mut queue = txn.open_table(QUEUE).ctx(what)?;
+            let mut seq = meta.get(QUEUE_SEQ).ctx(what)?.map_or(0, |g| g.value());
+            for pending in &batch {
+                let id = pending.record.assignment_id.as_str();
+                if records.get(id).ctx(what)?.is_some() {
+                    created.push(false);
+                    continue;
+                }
+                records.insert(id, (1, pending.value.as_slice())).ctx(what)?;
+                seq += 1;
+                queue.insert((pending.record.placement.as_str(), seq), (id, 0)).ctx(what)?;
+                created.push(true);
+            }
+            meta.insert(QUEUE_SEQ, seq).ctx(what)?;
         }
-        records.insert(id, (1, value)).ctx(what)?;
-        let mut meta = txn.open_table(META).ctx(what)?;
-        let seq = meta.get(QUEUE_SEQ).ctx(what)?.map_or(0, |g| g.value()) + 1;
-        meta.insert(QUEUE_SEQ, seq).ctx(what)?;
-        let mut queue = txn.open_table(QUEUE).ctx(what)?;
-        queue.insert((record.placement.as_str(), seq), (id, 0)).ctx(what)?;
+        txn.commit().ctx(what)?;
+        Ok(created)
+    })();
+    match outcome {
+        Ok(created) => {
+            for (pending, created) in batch.into_iter().zip(created) {
+                let _ = pending.reply.send(Ok(created));
+            }
+        }
+        Err(error) => {
+            let message = crate::error_chain(&error);
+            for pending in batch {
+                let _ = pending.reply.send(Err(message.clone()));
+            }
+        }
     }
-    txn.commit().ctx(what)?;
-    Ok(true)
 }
 
 fn update_blocking(db: &Database, record: &Record, value: &[u8], expected: u64) -> Result<u64, StoreError> {
@@ -299,11 +332,34 @@ fn ack_blocking(db: &Database, placement: &str, seq: u64) -> Result<(), StoreErr
 
 #[async_trait]
 impl Store for Embedded {
+    /// Group commit: the caller queues its record, then whoever holds the committer
+    /// lock commits everything queued in one transaction. A caller returns only after
+    /// the transaction holding its record committed, so durability is per call, while
+    /// concurrent fetch loops share one fsync.
     async fn persist(&self, record: &Record) -> Result<bool, StoreError> {
         let value = encode(record)?;
-        let shared = Arc::clone(&self.shared);
-        let record = record.clone();
-        let created = blocking("persist", move || persist_blocking(&shared.db, &record, &value)).await?;
+        let (reply, outcome) = tokio::sync::oneshot::channel();
+        self.shared
+            .batch
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(PendingPersist { record: record.clone(), value, reply });
+        {
+            let _committer = self.shared.committer.lock().await;
+            let batch = std::mem::take(&mut *self.shared.batch.lock().unwrap_or_else(PoisonError::into_inner));
+            if !batch.is_empty() {
+                let shared = Arc::clone(&self.shared);
+                blocking("persist", move || {
+                    persist_batch_blocking(&shared.db, batch);
+                    Ok(())
+                })
+                .await?;
+            }
+        }
+        let created = outcome
+            .await
+            .map_err(|e| StoreError::Unavailable { context: "redb persist: the committer went away".into(), source: Box::new(e) })?
+            .map_err(|message| StoreError::Unavailable { context: "redb persist".into(), source: message.into() })?;
         if created {
             self.shared.notify.notify_waiters();
         }
