@@ -55,6 +55,24 @@ async fn client(source: spiffe::X509Source, address: std::net::SocketAddr) -> Re
     Ok(FacadeServiceClient::new(channel))
 }
 
+/// A handshake can fail while the client's SVID source applies an update (spiffe-rustls
+/// refuses to present material older than its source's revision); callers retry
+/// transport errors, and so does this test.
+async fn claim_retrying(
+    client: &mut FacadeServiceClient<tonic::transport::Channel>,
+    request: &ClaimRequest,
+) -> Result<tonic::Response<proto::facade::v1::ClaimResponse>, tonic::Status> {
+    for _ in 0..20 {
+        match client.claim(request.clone()).await {
+            Err(status) if status.code() == tonic::Code::Unknown && status.message() == "transport error" => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other,
+        }
+    }
+    client.claim(request.clone()).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_jobs_own_svid_may_claim() {
     let dir = tempfile::tempdir().unwrap();
@@ -97,12 +115,12 @@ async fn only_the_jobs_own_svid_may_claim() {
         holder: "holder-0123456789abcdef".into(),
     };
     let mut intruder = client(source(&intruder_api).await, address).await.unwrap();
-    let status = intruder.claim(request.clone()).await.unwrap_err();
+    let status = claim_retrying(&mut intruder, &request).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status}");
     assert!(status.message().contains("other-repo"), "{status}");
 
     let mut job = client(source(&job_api).await, address).await.unwrap();
-    let claimed = job.claim(request).await.unwrap().into_inner();
+    let claimed = claim_retrying(&mut job, &request).await.unwrap().into_inner();
     assert_eq!(claimed.task.unwrap().id, 77);
 
     // Without a client certificate the handshake fails: no call reaches the facade.

@@ -122,7 +122,12 @@ impl FacadeClient {
                         status: tonic::Status::internal("the facade answered without a task"),
                     });
                 }
-                Err(status) if status.code() == tonic::Code::Unavailable && tokio::time::Instant::now() + delay < give_up => {
+                // Unavailable, or a connection that failed (e.g. a TLS handshake during an
+                // SVID rotation): try again.
+                Err(status)
+                    if (status.code() == tonic::Code::Unavailable || (status.code() == tonic::Code::Unknown && status.message() == "transport error"))
+                        && tokio::time::Instant::now() + delay < give_up =>
+                {
                     tracing::warn!(%status, retry_in = ?delay, "facade unavailable; retrying the claim");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(5));
