@@ -8,14 +8,14 @@ pub fn hit(point: &str) {
     #[cfg(feature = "test-driver")]
     if std::env::var("GDR_TEST_CRASH_AT").is_ok_and(|wanted| wanted == point) {
         tracing::warn!(point, "test crash point reached: SIGKILL");
-        let _ = nix_kill_self();
+        let _ = kill_self();
     }
     #[cfg(not(feature = "test-driver"))]
     let _ = point;
 }
 
 #[cfg(feature = "test-driver")]
-fn nix_kill_self() -> std::io::Result<()> {
+fn kill_self() -> std::io::Result<()> {
     // `kill -9 $$`: no destructors, no flushing, exactly like an operator's kill.
     std::process::Command::new("kill").arg("-9").arg(std::process::id().to_string()).status()?;
     std::thread::sleep(std::time::Duration::from_secs(60));

@@ -169,7 +169,7 @@ pub fn router(runner: LocalRunner, task: Task, upstream: Arc<dyn Upstream>) -> R
 fn authenticate<M>(runner: &LocalRunner, request: &Request<M>) -> Result<(), ConnectError> {
     let header = |name: &str| request.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("");
     // Constant-time comparison of the token: it is the only secret here.
-    let token_ok = ring_free_eq(header("x-runner-token").as_bytes(), runner.token.as_bytes());
+    let token_ok = constant_time_eq(header("x-runner-token").as_bytes(), runner.token.as_bytes());
     if header("x-runner-uuid") == runner.assignment_id && token_ok {
         Ok(())
     } else {
@@ -178,7 +178,7 @@ fn authenticate<M>(runner: &LocalRunner, request: &Request<M>) -> Result<(), Con
 }
 
 /// Compares without an early exit on the first differing byte.
-fn ring_free_eq(a: &[u8], b: &[u8]) -> bool {
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -220,8 +220,8 @@ mod tests {
 
     #[test]
     fn equality_without_early_exit() {
-        assert!(ring_free_eq(b"abc", b"abc"));
-        assert!(!ring_free_eq(b"abc", b"abd"));
-        assert!(!ring_free_eq(b"abc", b"ab"));
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
     }
 }

@@ -21,17 +21,19 @@ static LOCK: Mutex<()> = Mutex::new(());
 const MIB: u64 = 1024 * 1024;
 
 /// The lock, or `None` (test skipped) when this machine cannot run it.
-fn privileged() -> Option<MutexGuard<'static, ()>> {
+/// Serialises the tests (loop devices are host-global) and fails loudly when the
+/// machine cannot run them: CI runs as root with e2fsprogs from install-test-peers.
+fn privileged() -> MutexGuard<'static, ()> {
     let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
     let root = nix::unistd::geteuid().is_root();
     let control = Path::new("/dev/loop-control").exists();
     let mkfs = Command::new("mkfs.ext4").arg("-V").output().is_ok();
-    if root && control && mkfs {
-        Some(lock)
-    } else {
-        eprintln!("SKIP storage test: root={root} /dev/loop-control={control} mkfs.ext4={mkfs}");
-        None
-    }
+    assert!(
+        root && control && mkfs,
+        "storage tests need root, /dev/loop-control and mkfs.ext4 (run scripts/install-test-peers as root): \
+         root={root} /dev/loop-control={control} mkfs.ext4={mkfs}"
+    );
+    lock
 }
 
 /// Tests are not PID 1, so plain `Command::status()` is fine here. Records durations.
@@ -259,7 +261,7 @@ fn assert_cleaned(config: &StorageConfig, index: u32) {
 
 #[test]
 fn prepare_mount_write_cleanup() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("roundtrip");
     let config = scratch.config(256 * MIB);
     let mut runner = StatusRunner::default();
@@ -306,7 +308,7 @@ fn prepare_mount_write_cleanup() {
 
 #[test]
 fn default_20_gib_is_sparse_and_fast() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("20g");
     let config = scratch.config(storage::DEFAULT_SIZE_BYTES);
     let mut runner = StatusRunner::default();
@@ -339,7 +341,7 @@ fn default_20_gib_is_sparse_and_fast() {
 
 #[test]
 fn existing_mount_is_used_and_left_alone() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("existing");
     let config = scratch.config(256 * MIB);
     fs::create_dir_all(&config.mountpoint).expect("mountpoint");
@@ -385,7 +387,7 @@ fn existing_mount_is_used_and_left_alone() {
 
 #[test]
 fn three_cycles_leak_no_loop_devices() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("cycles");
     let config = scratch.config(64 * MIB);
     let before = bound_loops();
@@ -411,7 +413,7 @@ fn three_cycles_leak_no_loop_devices() {
 
 #[test]
 fn mkfs_failure_rolls_everything_back() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let scratch = Scratch::new("mkfs-fails");
     let config = scratch.config(64 * MIB);
     let error = storage::prepare(&config, &mut FakeRunner(1)).expect_err("mkfs fails");
@@ -426,7 +428,7 @@ fn mkfs_failure_rolls_everything_back() {
 
 #[test]
 fn mount_failure_detaches_and_rolls_back() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let scratch = Scratch::new("mount-fails");
     let config = scratch.config(64 * MIB);
     // "mkfs" succeeds without writing anything, so the ext4 mount fails (EINVAL).
@@ -445,7 +447,7 @@ fn mount_failure_detaches_and_rolls_back() {
 
 #[test]
 fn stale_image_is_replaced_and_existing_dir_kept() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("stale");
     let config = scratch.config(64 * MIB);
     fs::create_dir_all(config.image_path.parent().expect("parent")).expect("dir");
@@ -484,7 +486,7 @@ fn stale_image_is_replaced_and_existing_dir_kept() {
 
 #[test]
 fn non_file_at_image_path_is_refused() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let scratch = Scratch::new("not-a-file");
     let config = scratch.config(64 * MIB);
     fs::create_dir_all(&config.image_path).expect("a directory where the image goes");
@@ -499,7 +501,7 @@ fn non_file_at_image_path_is_refused() {
 
 #[test]
 fn second_prepare_adopts_our_own_mount() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("adopt");
     let config = scratch.config(64 * MIB);
     let first = storage::prepare(&config, &mut StatusRunner::default()).expect("prepare");
@@ -516,7 +518,7 @@ fn second_prepare_adopts_our_own_mount() {
 
 #[test]
 fn cleanup_unmounts_submounts_first() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("submounts");
     let config = scratch.config(64 * MIB);
     let prepared = storage::prepare(&config, &mut StatusRunner::default()).expect("prepare");
@@ -547,7 +549,7 @@ fn cleanup_unmounts_submounts_first() {
 
 #[test]
 fn busy_mount_is_detached_lazily_and_loop_follows() {
-    let Some(_lock) = privileged() else { return };
+    let _lock = privileged();
     let mut scratch = Scratch::new("busy");
     let config = scratch.config(64 * MIB);
     let prepared = storage::prepare(&config, &mut StatusRunner::default()).expect("prepare");

@@ -843,12 +843,12 @@ mod tests {
 
     static LOOP_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-    fn privileged() -> bool {
-        let ok = nix::unistd::geteuid().is_root() && Path::new("/dev/loop-control").exists();
-        if !ok {
-            eprintln!("SKIP: needs root and /dev/loop-control");
-        }
-        ok
+    /// Fails loudly, never skips: CI runs these as root.
+    fn require_privileges() {
+        assert!(
+            nix::unistd::geteuid().is_root() && Path::new("/dev/loop-control").exists(),
+            "loop device tests need root and /dev/loop-control"
+        );
     }
 
     struct Scratch(PathBuf);
@@ -873,9 +873,7 @@ mod tests {
         let _lock = LOOP_LOCK
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !privileged() {
-            return;
-        }
+        require_privileges();
         let scratch = Scratch::new(match strategy {
             Strategy::Auto => "auto",
             Strategy::LegacyOnly => "legacy",
@@ -938,9 +936,7 @@ mod tests {
         let _lock = LOOP_LOCK
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !privileged() {
-            return;
-        }
+        require_privileges();
         let scratch = Scratch::new("clear");
         let image_path = scratch.0.join("img");
         File::create(&image_path)
