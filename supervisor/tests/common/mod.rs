@@ -6,7 +6,7 @@
 
 use std::{
     os::unix::fs::PermissionsExt,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, ExitStatus, Stdio},
     time::{Duration, Instant},
 };
@@ -85,10 +85,6 @@ pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|stat| !stat.contains(") Z "))
         .unwrap_or(false)
-}
-
-pub fn file(dir: &Path, name: &str) -> PathBuf {
-    dir.join(name)
 }
 
 pub fn quiet(command: &mut Command) -> &mut Command {
