@@ -7,13 +7,8 @@ const PROTO_ROOT: &str = "proto";
 
 /// Files of the packaged protocols; their descriptors are also embedded (for the
 /// proto3 JSON mapping of the Connect layer).
-const PACKAGED: &[&str] = &[
-    "runner/v1/messages.proto",
-    "runner/v1/services.proto",
-    "ping/v1/messages.proto",
-    "ping/v1/services.proto",
-    "facade/v1/facade.proto",
-];
+const PACKAGED: &[&str] =
+    &["runner/v1/messages.proto", "runner/v1/services.proto", "ping/v1/messages.proto", "ping/v1/services.proto", "facade/v1/facade.proto"];
 
 /// The SPIFFE Workload API has no protobuf package (its gRPC paths are
 /// `/SpiffeWorkloadAPI/...`), so it is generated on its own into `workload.rs`.
@@ -24,21 +19,14 @@ fn main() -> Result<(), Box<dyn Error>> {
     println!("cargo:rerun-if-changed={PROTO_ROOT}");
 
     let fds = protox::compile(PACKAGED, [PROTO_ROOT])?;
-    fs::write(
-        out_dir.join("descriptor.bin"),
-        prost::Message::encode_to_vec(&fds),
-    )?;
+    fs::write(out_dir.join("descriptor.bin"), prost::Message::encode_to_vec(&fds))?;
     let mut config = prost_build::Config::new();
     config.enable_type_names();
-    tonic_prost_build::configure()
-        .include_file("packages.rs")
-        .compile_fds_with_config(fds, config)?;
+    tonic_prost_build::configure().include_file("packages.rs").compile_fds_with_config(fds, config)?;
 
     let workload_dir = out_dir.join("workload");
     fs::create_dir_all(&workload_dir)?;
     let fds = protox::compile([WORKLOAD], [PROTO_ROOT])?;
-    tonic_prost_build::configure()
-        .out_dir(&workload_dir)
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().out_dir(&workload_dir).compile_fds(fds)?;
     Ok(())
 }

@@ -20,8 +20,8 @@ use crate::{
     code::Code,
     codec::{Codec, Message},
     error::ConnectError,
+    error::error_chain,
     protocol,
-    server::error_chain,
 };
 
 /// Default bound on a response body, after decompression.
@@ -72,11 +72,44 @@ pub struct Client {
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Default headers may carry credentials (x-runner-token): never print them.
-        f.debug_struct("Client")
-            .field("base_url", &self.base_url)
-            .field("codec", &self.codec)
-            .finish_non_exhaustive()
+        f.debug_struct("Client").field("base_url", &self.base_url).field("codec", &self.codec).finish_non_exhaustive()
     }
+}
+
+/// TLS with the ring provider and the system's roots (also for other HTTP clients of
+/// the workspace, so every client trusts the same anchors).
+///
+/// # Errors
+/// When the provider refuses the default protocol versions.
+pub fn default_tls() -> Result<rustls::ClientConfig, ClientError> {
+    Ok(rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(ClientError::Tls)?
+        .with_root_certificates(native_roots())
+        .with_no_client_auth())
+}
+
+fn http_client_with<B>(tls: rustls::ClientConfig) -> HyperClient<HttpsConnector<HttpConnector>, B>
+where
+    B: hyper::body::Body + Send,
+    B::Data: Send,
+{
+    let connector = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1().build();
+    HyperClient::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).pool_max_idle_per_host(10).build(connector)
+}
+
+/// A plain HTTP/1.1 client for http and https URLs (rustls with ring, the system's
+/// roots, keep-alive): the transport under [`Client`], and what the supervisor passes
+/// requests to Gitea with.
+///
+/// # Errors
+/// When TLS cannot be set up.
+pub fn http_client<B>() -> Result<HyperClient<HttpsConnector<HttpConnector>, B>, ClientError>
+where
+    B: hyper::body::Body + Send,
+    B::Data: Send,
+{
+    Ok(http_client_with(default_tls()?))
 }
 
 impl Client {
@@ -85,13 +118,7 @@ impl Client {
     /// # Errors
     /// When the URL is not absolute http(s).
     pub fn new(base_url: &str, pool: DescriptorPool) -> Result<Self, ClientError> {
-        let roots = native_roots();
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .map_err(ClientError::Tls)?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        Self::with_tls_config(base_url, pool, tls)
+        Self::with_tls_config(base_url, pool, default_tls()?)
     }
 
     /// Like [`Client::new`] with a caller-supplied TLS configuration (private CA,
@@ -100,10 +127,7 @@ impl Client {
     /// # Errors
     /// When the URL is not absolute http(s).
     pub fn with_tls_config(base_url: &str, pool: DescriptorPool, tls: rustls::ClientConfig) -> Result<Self, ClientError> {
-        let invalid = |reason: &str| ClientError::InvalidBaseUrl {
-            url: base_url.to_owned(),
-            reason: reason.to_owned(),
-        };
+        let invalid = |reason: &str| ClientError::InvalidBaseUrl { url: base_url.to_owned(), reason: reason.to_owned() };
         let uri: http::Uri = base_url.parse().map_err(|_| invalid("not a URL"))?;
         match uri.scheme_str() {
             Some("http" | "https") => {}
@@ -115,15 +139,7 @@ impl Client {
         if uri.query().is_some() {
             return Err(invalid("a query string is not allowed"));
         }
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .build();
-        let http = HyperClient::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(10)
-            .build(connector);
+        let http = http_client_with(tls);
         Ok(Client {
             base_url: base_url.trim_end_matches('/').to_owned(),
             http,
@@ -158,35 +174,20 @@ impl Client {
     ///
     /// # Errors
     /// The server's Connect error, or a client-side one (see the module docs).
-    pub async fn unary<Req: Message, Resp: Message>(
-        &self,
-        procedure: &str,
-        message: &Req,
-        options: &CallOptions,
-    ) -> Result<Response<Resp>, ConnectError> {
+    pub async fn unary<Req: Message, Resp: Message>(&self, procedure: &str, message: &Req, options: &CallOptions) -> Result<Response<Resp>, ConnectError> {
         let call = self.call(procedure, message, options);
         match options.timeout {
-            Some(timeout) => tokio::time::timeout(timeout, call).await.unwrap_or_else(|_| {
-                Err(ConnectError::deadline_exceeded(format!(
-                    "{procedure}: no answer within {} ms",
-                    timeout.as_millis()
-                )))
-            }),
+            Some(timeout) => tokio::time::timeout(timeout, call)
+                .await
+                .unwrap_or_else(|_| Err(ConnectError::deadline_exceeded(format!("{procedure}: no answer within {} ms", timeout.as_millis())))),
             None => call.await,
         }
     }
 
-    async fn call<Req: Message, Resp: Message>(
-        &self,
-        procedure: &str,
-        message: &Req,
-        options: &CallOptions,
-    ) -> Result<Response<Resp>, ConnectError> {
+    async fn call<Req: Message, Resp: Message>(&self, procedure: &str, message: &Req, options: &CallOptions) -> Result<Response<Resp>, ConnectError> {
         let url = format!("{}/{}", self.base_url, procedure.trim_start_matches('/'));
-        let body = self
-            .codec
-            .encode(message, &self.pool)
-            .map_err(|error| ConnectError::internal(format!("cannot encode the request: {}", error_chain(&error))))?;
+        let body =
+            self.codec.encode(message, &self.pool).map_err(|error| ConnectError::internal(format!("cannot encode the request: {}", error_chain(&error))))?;
         let mut request = http::Request::builder()
             .method(Method::POST)
             .uri(&url)
@@ -197,18 +198,12 @@ impl Client {
         if let Some(timeout) = options.timeout.and_then(protocol::format_timeout) {
             request = request.header(protocol::TIMEOUT_HEADER, timeout);
         }
-        let mut request = request
-            .body(Full::new(body))
-            .map_err(|error| ConnectError::internal(format!("invalid request to {url}: {error}")))?;
+        let mut request = request.body(Full::new(body)).map_err(|error| ConnectError::internal(format!("invalid request to {url}: {error}")))?;
         for (name, value) in self.headers.iter().chain(options.headers.iter()) {
             request.headers_mut().insert(name, value.clone());
         }
 
-        let response = self
-            .http
-            .request(request)
-            .await
-            .map_err(|error| ConnectError::unavailable(format!("{url}: {}", error_chain(&error))))?;
+        let response = self.http.request(request).await.map_err(|error| ConnectError::unavailable(format!("{url}: {}", error_chain(&error))))?;
         let (parts, body) = response.into_parts();
         let limit = self.max_response_bytes;
         let body = Limited::new(body, limit)
@@ -224,40 +219,27 @@ impl Client {
             .to_bytes();
         let body = match parts.headers.get(header::CONTENT_ENCODING).map(HeaderValue::to_str) {
             None | Some(Ok("identity")) => body,
-            Some(Ok(value)) if value.eq_ignore_ascii_case("gzip") => {
-                Bytes::from(protocol::gunzip(&body, limit).map_err(|error| {
-                    ConnectError::internal(format!("{url}: cannot decompress the response: {}", error_chain(&error)))
-                })?)
-            }
+            Some(Ok(value)) if value.eq_ignore_ascii_case("gzip") => Bytes::from(
+                protocol::gunzip(&body, limit)
+                    .map_err(|error| ConnectError::internal(format!("{url}: cannot decompress the response: {}", error_chain(&error))))?,
+            ),
             Some(other) => {
-                return Err(ConnectError::internal(format!(
-                    "{url}: unsupported response content-encoding {other:?}"
-                )));
+                return Err(ConnectError::internal(format!("{url}: unsupported response content-encoding {other:?}")));
             }
         };
 
         if parts.status != StatusCode::OK {
             return Err(ConnectError::from_response(parts.status, &body));
         }
-        let content_type = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
+        let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
         if Codec::from_content_type(content_type) != Some(self.codec) {
-            return Err(ConnectError::internal(format!(
-                "{url}: invalid content-type {content_type:?}; expected {:?}",
-                self.codec.content_type()
-            )));
+            return Err(ConnectError::internal(format!("{url}: invalid content-type {content_type:?}; expected {:?}", self.codec.content_type())));
         }
         let message = self
             .codec
             .decode(&body, &self.pool)
             .map_err(|error| ConnectError::internal(format!("{url}: cannot decode the response: {}", error_chain(&error))))?;
-        Ok(Response {
-            message,
-            headers: parts.headers,
-        })
+        Ok(Response { message, headers: parts.headers })
     }
 }
 

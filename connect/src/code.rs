@@ -1,5 +1,5 @@
 //! Connect error codes and their mapping to and from HTTP status codes
-//! (shared/reference/gitea-runner-protocol.md §1.3, after connect-go).
+//! (after connect-go's protocol_connect.go).
 
 use std::{fmt, str::FromStr};
 
@@ -126,10 +126,7 @@ impl FromStr for Code {
     type Err = UnknownCode;
 
     fn from_str(name: &str) -> Result<Self, Self::Err> {
-        Code::ALL
-            .into_iter()
-            .find(|code| code.as_str() == name)
-            .ok_or_else(|| UnknownCode(name.to_owned()))
+        Code::ALL.into_iter().find(|code| code.as_str() == name).ok_or_else(|| UnknownCode(name.to_owned()))
     }
 }
 
@@ -186,7 +183,15 @@ mod tests {
 
     #[test]
     fn grpc_numbers() {
-        let table: &[(Code, i32)] = &[(Code::Canceled, 1), (Code::Unknown, 2), (Code::DeadlineExceeded, 4), (Code::PermissionDenied, 7), (Code::ResourceExhausted, 8), (Code::Unavailable, 14), (Code::Unauthenticated, 16)];
+        let table: &[(Code, i32)] = &[
+            (Code::Canceled, 1),
+            (Code::Unknown, 2),
+            (Code::DeadlineExceeded, 4),
+            (Code::PermissionDenied, 7),
+            (Code::ResourceExhausted, 8),
+            (Code::Unavailable, 14),
+            (Code::Unauthenticated, 16),
+        ];
         for &(code, number) in table {
             assert_eq!(code.grpc(), number, "{code}");
             assert_eq!(Code::from_grpc(number), Some(code));

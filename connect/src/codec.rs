@@ -54,10 +54,7 @@ impl Codec {
     pub fn from_content_type(value: &str) -> Option<Codec> {
         let mut parts = value.split(';');
         let media = parts.next()?.trim().to_ascii_lowercase();
-        let params: Vec<String> = parts
-            .map(|p| p.trim().to_ascii_lowercase().replace(' ', ""))
-            .filter(|p| !p.is_empty())
-            .collect();
+        let params: Vec<String> = parts.map(|p| p.trim().to_ascii_lowercase().replace(' ', "")).filter(|p| !p.is_empty()).collect();
         match (media.as_str(), params.as_slice()) {
             ("application/proto", []) => Some(Codec::Proto),
             ("application/json", []) => Some(Codec::Json),
@@ -74,18 +71,12 @@ impl Codec {
             Codec::Json => {
                 let descriptor = descriptor::<M>(pool)?;
                 let dynamic = DynamicMessage::decode(descriptor, message.encode_to_vec().as_slice())
-                    .map_err(|source| CodecError::Protobuf {
-                        message: M::full_name(),
-                        source,
-                    })?;
+                    .map_err(|source| CodecError::Protobuf { message: M::full_name(), source })?;
                 let mut out = Vec::new();
                 let mut serializer = serde_json::Serializer::new(&mut out);
                 dynamic
                     .serialize_with_options(&mut serializer, &SerializeOptions::new())
-                    .map_err(|source| CodecError::Json {
-                        message: M::full_name(),
-                        source,
-                    })?;
+                    .map_err(|source| CodecError::Json { message: M::full_name(), source })?;
                 Ok(Bytes::from(out))
             }
         }
@@ -95,27 +86,16 @@ impl Codec {
     /// When `bytes` is not a valid encoding of `M`.
     pub fn decode<M: Message>(self, bytes: &[u8], pool: &DescriptorPool) -> Result<M, CodecError> {
         match self {
-            Codec::Proto => M::decode(bytes).map_err(|source| CodecError::Protobuf {
-                message: M::full_name(),
-                source,
-            }),
+            Codec::Proto => M::decode(bytes).map_err(|source| CodecError::Protobuf { message: M::full_name(), source }),
             Codec::Json => {
                 let descriptor = descriptor::<M>(pool)?;
                 let mut deserializer = serde_json::Deserializer::from_slice(bytes);
                 // connect-go discards unknown JSON fields, so newer peers can add fields.
                 let options = DeserializeOptions::new().deny_unknown_fields(false);
-                let json_error = |source| CodecError::Json {
-                    message: M::full_name(),
-                    source,
-                };
-                let dynamic =
-                    DynamicMessage::deserialize_with_options(descriptor, &mut deserializer, &options)
-                        .map_err(json_error)?;
+                let json_error = |source| CodecError::Json { message: M::full_name(), source };
+                let dynamic = DynamicMessage::deserialize_with_options(descriptor, &mut deserializer, &options).map_err(json_error)?;
                 deserializer.end().map_err(json_error)?;
-                M::decode(dynamic.encode_to_vec().as_slice()).map_err(|source| CodecError::Protobuf {
-                    message: M::full_name(),
-                    source,
-                })
+                M::decode(dynamic.encode_to_vec().as_slice()).map_err(|source| CodecError::Protobuf { message: M::full_name(), source })
             }
         }
     }
@@ -123,8 +103,7 @@ impl Codec {
 
 fn descriptor<M: Message>(pool: &DescriptorPool) -> Result<prost_reflect::MessageDescriptor, CodecError> {
     let name = M::full_name();
-    pool.get_message_by_name(&name)
-        .ok_or(CodecError::UnknownMessage(name))
+    pool.get_message_by_name(&name).ok_or(CodecError::UnknownMessage(name))
 }
 
 #[cfg(test)]
@@ -158,10 +137,7 @@ mod tests {
         let request = UpdateLogRequest {
             task_id: 9_007_199_254_740_993,
             index: 5,
-            rows: vec![LogRow {
-                time: Some(prost_types::Timestamp { seconds: 1_796_025_600, nanos: 500_000_000 }),
-                content: "line".into(),
-            }],
+            rows: vec![LogRow { time: Some(prost_types::Timestamp { seconds: 1_796_025_600, nanos: 500_000_000 }), content: "line".into() }],
             no_more: true,
         };
         let json = Codec::Json.encode(&request, pool).unwrap();
@@ -182,12 +158,7 @@ mod tests {
     #[test]
     fn json_accepts_numbers_snake_case_and_unknown_fields() {
         let pool = proto::descriptor_pool();
-        for body in [
-            r#"{"tasksVersion":"3"}"#,
-            r#"{"tasksVersion":3}"#,
-            r#"{"tasks_version":3}"#,
-            r#"{"tasksVersion":3,"addedLater":{"x":1}}"#,
-        ] {
+        for body in [r#"{"tasksVersion":"3"}"#, r#"{"tasksVersion":3}"#, r#"{"tasks_version":3}"#, r#"{"tasksVersion":3,"addedLater":{"x":1}}"#] {
             let decoded: FetchTaskRequest = Codec::Json.decode(body.as_bytes(), pool).unwrap();
             assert_eq!(decoded.tasks_version, 3, "{body}");
         }

@@ -24,10 +24,7 @@ struct WireError<'a> {
 
 impl ConnectError {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        ConnectError {
-            code,
-            message: message.into(),
-        }
+        ConnectError { code, message: message.into() }
     }
 
     pub fn invalid_argument(message: impl Into<String>) -> Self {
@@ -56,10 +53,7 @@ impl ConnectError {
 
     /// The JSON body of an error response.
     pub fn to_json(&self) -> Bytes {
-        let wire = WireError {
-            code: self.code.as_str(),
-            message: self.message.as_str().into(),
-        };
+        let wire = WireError { code: self.code.as_str(), message: self.message.as_str().into() };
         // Serializing two strings cannot fail.
         Bytes::from(serde_json::to_vec(&wire).unwrap_or_default())
     }
@@ -75,15 +69,21 @@ impl ConnectError {
         }
         ConnectError::new(
             Code::from_http_status(status),
-            format!(
-                "HTTP status {} {}",
-                status.as_u16(),
-                status.canonical_reason().unwrap_or("")
-            )
-            .trim_end()
-            .to_owned(),
+            format!("HTTP status {} {}", status.as_u16(), status.canonical_reason().unwrap_or("")).trim_end().to_owned(),
         )
     }
+}
+
+/// "outer: inner: innermost": every layer of an error in one line, printed once.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]
@@ -93,14 +93,8 @@ mod tests {
     #[test]
     fn json_body_round_trips() {
         let error = ConnectError::unauthenticated("unregistered runner");
-        assert_eq!(
-            error.to_json(),
-            Bytes::from_static(br#"{"code":"unauthenticated","message":"unregistered runner"}"#)
-        );
-        assert_eq!(
-            ConnectError::from_response(StatusCode::UNAUTHORIZED, &error.to_json()),
-            error
-        );
+        assert_eq!(error.to_json(), Bytes::from_static(br#"{"code":"unauthenticated","message":"unregistered runner"}"#));
+        assert_eq!(ConnectError::from_response(StatusCode::UNAUTHORIZED, &error.to_json()), error);
     }
 
     #[test]
@@ -125,9 +119,6 @@ mod tests {
             br#"{"code":"unknown","message":"rpc error: code = Unauthenticated desc = unregistered runner","details":[]}"#,
         );
         assert_eq!(error.code, Code::Unknown);
-        assert_eq!(
-            error.message,
-            "rpc error: code = Unauthenticated desc = unregistered runner"
-        );
+        assert_eq!(error.message, "rpc error: code = Unauthenticated desc = unregistered runner");
     }
 }

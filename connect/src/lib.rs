@@ -1,5 +1,5 @@
 //! The Connect protocol, unary calls only, over HTTP/1.1 — what Gitea and an
-//! unmodified gitea-runner speak (shared/reference/gitea-runner-protocol.md §1).
+//! unmodified gitea-runner speak (connect-go on both sides).
 //!
 //! - [`client`]: used by the controller as a client of Gitea.
 //! - [`server`]: used by the supervisor to serve the loopback RunnerService.
@@ -23,5 +23,5 @@ pub mod server;
 pub use client::{CallOptions, Client};
 pub use code::Code;
 pub use codec::{Codec, Message};
-pub use error::ConnectError;
-pub use server::{Request, Response, Router, error_chain, serve};
+pub use error::{ConnectError, error_chain};
+pub use server::{BoxBody, Fallback, Request, Response, Router, serve, serve_with_fallback};

@@ -24,10 +24,7 @@ pub fn parse_timeout(value: &str) -> Result<Duration, InvalidTimeout> {
     if value.is_empty() || value.len() > MAX_TIMEOUT_DIGITS || !value.bytes().all(|b| b.is_ascii_digit()) {
         return Err(InvalidTimeout(value.to_owned()));
     }
-    value
-        .parse::<u64>()
-        .map(Duration::from_millis)
-        .map_err(|_| InvalidTimeout(value.to_owned()))
+    value.parse::<u64>().map(Duration::from_millis).map_err(|_| InvalidTimeout(value.to_owned()))
 }
 
 /// Formats a deadline for `Connect-Timeout-Ms`, or `None` when it does not fit in ten
@@ -69,10 +66,7 @@ pub enum GunzipError {
 pub fn gunzip(data: &[u8], limit: usize) -> Result<Vec<u8>, GunzipError> {
     let mut out = Vec::new();
     let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
-    GzDecoder::new(data)
-        .take(cap)
-        .read_to_end(&mut out)
-        .map_err(GunzipError::Invalid)?;
+    GzDecoder::new(data).take(cap).read_to_end(&mut out).map_err(GunzipError::Invalid)?;
     if out.len() > limit {
         return Err(GunzipError::TooLarge { limit });
     }

@@ -1,18 +1,10 @@
 //! A Connect unary server on hyper, HTTP/1.1 with keep-alive (what gitea-runner
-//! speaks on plain http; reference §1.2).
+//! speaks on plain http: its transport never negotiates h2c).
 //!
 //! Every malformed request gets the Connect error a connect-go handler would give and
 //! a log line; nothing in here panics on input.
 
-use std::{
-    collections::HashMap,
-    convert::Infallible,
-    future::Future,
-    net::SocketAddr,
-    pin::Pin,
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::HashMap, convert::Infallible, future::Future, net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -26,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     code::Code,
     codec::{Codec, Message},
-    error::ConnectError,
+    error::{ConnectError, error_chain},
     protocol,
 };
 
@@ -55,10 +47,7 @@ pub struct Response<M> {
 
 impl<M> Response<M> {
     pub fn new(message: M) -> Self {
-        Response {
-            message,
-            headers: HeaderMap::new(),
-        }
+        Response { message, headers: HeaderMap::new() }
     }
 }
 
@@ -70,6 +59,13 @@ impl<M> From<M> for Response<M> {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// A response body that may stream (the fallback's), or a whole Connect answer.
+pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+/// Answers every request whose path is none of the router's procedures (the
+/// supervisor passes those on to Gitea).
+pub type Fallback = Arc<dyn Fn(http::Request<Incoming>) -> BoxFuture<http::Response<BoxBody>> + Send + Sync>;
+
 struct RawRequest {
     body: Bytes,
     codec: Codec,
@@ -78,9 +74,7 @@ struct RawRequest {
     peer: Option<SocketAddr>,
 }
 
-type RawHandler = dyn Fn(RawRequest, DescriptorPool) -> BoxFuture<Result<(Bytes, HeaderMap), ConnectError>>
-    + Send
-    + Sync;
+type RawHandler = dyn Fn(RawRequest, DescriptorPool) -> BoxFuture<Result<(Bytes, HeaderMap), ConnectError>> + Send + Sync;
 
 /// Routes `POST <prefix>/<package>.<Service>/<Method>` to typed unary handlers.
 #[derive(Clone)]
@@ -96,10 +90,7 @@ impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut procedures: Vec<_> = self.routes.keys().collect();
         procedures.sort();
-        f.debug_struct("Router")
-            .field("prefix", &self.prefix)
-            .field("procedures", &procedures)
-            .finish_non_exhaustive()
+        f.debug_struct("Router").field("prefix", &self.prefix).field("procedures", &procedures).finish_non_exhaustive()
     }
 }
 
@@ -143,28 +134,25 @@ impl Router {
         let raw: Arc<RawHandler> = Arc::new(move |raw: RawRequest, pool: DescriptorPool| {
             let handler = Arc::clone(&handler);
             Box::pin(async move {
-                let message: Req = raw.codec.decode(&raw.body, &pool).map_err(|error| {
-                    ConnectError::invalid_argument(format!(
-                        "cannot decode the request body: {}",
-                        error_chain(&error)
-                    ))
-                })?;
-                let response = handler(Request {
-                    message,
-                    headers: raw.headers,
-                    deadline: raw.deadline,
-                    peer: raw.peer,
-                })
-                .await?;
-                let body = raw.codec.encode(&response.message, &pool).map_err(|error| {
-                    ConnectError::internal(format!("cannot encode the response: {}", error_chain(&error)))
-                })?;
+                let message: Req = raw
+                    .codec
+                    .decode(&raw.body, &pool)
+                    .map_err(|error| ConnectError::invalid_argument(format!("cannot decode the request body: {}", error_chain(&error))))?;
+                let response = handler(Request { message, headers: raw.headers, deadline: raw.deadline, peer: raw.peer }).await?;
+                let body = raw
+                    .codec
+                    .encode(&response.message, &pool)
+                    .map_err(|error| ConnectError::internal(format!("cannot encode the response: {}", error_chain(&error))))?;
                 Ok((body, response.headers))
             })
         });
-        self.routes
-            .insert(format!("/{}", procedure.trim_start_matches('/')), raw);
+        self.routes.insert(format!("/{}", procedure.trim_start_matches('/')), raw);
         self
+    }
+
+    /// Whether `path` names one of this router's procedures.
+    pub fn routes(&self, path: &str) -> bool {
+        path.strip_prefix(self.prefix.as_str()).is_some_and(|procedure| self.routes.contains_key(procedure))
     }
 
     /// Answers one HTTP request. Never fails: every problem becomes a Connect error.
@@ -203,20 +191,12 @@ impl Router {
             .strip_prefix(self.prefix.as_str())
             .and_then(|procedure| self.routes.get(procedure))
             .cloned()
-            .ok_or_else(|| {
-                Rejection::new(
-                    StatusCode::NOT_FOUND,
-                    ConnectError::new(Code::Unimplemented, format!("no procedure at {path}")),
-                )
-            })?;
+            .ok_or_else(|| Rejection::new(StatusCode::NOT_FOUND, ConnectError::new(Code::Unimplemented, format!("no procedure at {path}"))))?;
 
         if request.method() != Method::POST {
             return Err(Rejection::new(
                 StatusCode::METHOD_NOT_ALLOWED,
-                ConnectError::new(
-                    Code::Unimplemented,
-                    format!("HTTP method {} is not supported: Connect unary calls use POST", request.method()),
-                ),
+                ConnectError::new(Code::Unimplemented, format!("HTTP method {} is not supported: Connect unary calls use POST", request.method())),
             )
             .with_header(header::ALLOW, HeaderValue::from_static("POST")));
         }
@@ -226,10 +206,7 @@ impl Router {
         let codec = Codec::from_content_type(content_type).ok_or_else(|| {
             Rejection::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                ConnectError::new(
-                    Code::Unknown,
-                    format!("unsupported content-type {content_type:?}: use application/proto or application/json"),
-                ),
+                ConnectError::new(Code::Unknown, format!("unsupported content-type {content_type:?}: use application/proto or application/json")),
             )
             .with_header(
                 header::HeaderName::from_static("accept-post"),
@@ -240,9 +217,7 @@ impl Router {
         if let Some(version) = header_str(headers, protocol::PROTOCOL_VERSION_HEADER)
             && version != protocol::PROTOCOL_VERSION
         {
-            return Err(Rejection::from(ConnectError::invalid_argument(format!(
-                "Connect-Protocol-Version must be \"1\", got {version:?}"
-            ))));
+            return Err(Rejection::from(ConnectError::invalid_argument(format!("Connect-Protocol-Version must be \"1\", got {version:?}"))));
         }
 
         let timeout = header_str(headers, protocol::TIMEOUT_HEADER)
@@ -255,19 +230,11 @@ impl Router {
             None | Some("identity") => false,
             Some(value) if value.eq_ignore_ascii_case("gzip") => true,
             Some(other) => {
-                return Err(Rejection::from(ConnectError::new(
-                    Code::Unimplemented,
-                    format!("unsupported content-encoding {other:?}: use gzip or identity"),
-                )));
+                return Err(Rejection::from(ConnectError::new(Code::Unimplemented, format!("unsupported content-encoding {other:?}: use gzip or identity"))));
             }
         };
         let accepts_gzip = header_str(headers, header::ACCEPT_ENCODING.as_str()).is_some_and(protocol::accepts_gzip);
-        let too_large = |limit: usize| {
-            ConnectError::new(
-                Code::ResourceExhausted,
-                format!("request body is larger than the limit of {limit} bytes"),
-            )
-        };
+        let too_large = |limit: usize| ConnectError::new(Code::ResourceExhausted, format!("request body is larger than the limit of {limit} bytes"));
         let limit = self.max_request_bytes;
         if let Some(length) = header_str(headers, header::CONTENT_LENGTH.as_str()).and_then(|v| v.parse::<u64>().ok())
             && length > u64::try_from(limit).unwrap_or(u64::MAX)
@@ -292,24 +259,12 @@ impl Router {
             let body = if gzipped {
                 Bytes::from(protocol::gunzip(&body, limit).map_err(|error| match error {
                     protocol::GunzipError::TooLarge { .. } => too_large(limit),
-                    protocol::GunzipError::Invalid(_) => {
-                        ConnectError::invalid_argument(format!("cannot decompress the request body: {}", error_chain(&error)))
-                    }
+                    protocol::GunzipError::Invalid(_) => ConnectError::invalid_argument(format!("cannot decompress the request body: {}", error_chain(&error))),
                 })?)
             } else {
                 body
             };
-            handler(
-                RawRequest {
-                    body,
-                    codec,
-                    headers: parts.headers,
-                    deadline,
-                    peer,
-                },
-                pool,
-            )
-            .await
+            handler(RawRequest { body, codec, headers: parts.headers, deadline, peer }, pool).await
         };
         let outcome = match deadline {
             Some(deadline) => tokio::time::timeout_at(deadline, work)
@@ -319,18 +274,14 @@ impl Router {
         };
         let (body, extra_headers) = outcome.map_err(Rejection::from)?;
 
-        let mut response = http::Response::builder()
-            .status(StatusCode::OK)
-            .header(header::CONTENT_TYPE, codec.content_type());
+        let mut response = http::Response::builder().status(StatusCode::OK).header(header::CONTENT_TYPE, codec.content_type());
         let body = if accepts_gzip && body.len() >= self.compress_min_bytes {
             response = response.header(header::CONTENT_ENCODING, "gzip");
             Bytes::from(protocol::gzip(&body))
         } else {
             body
         };
-        let mut response = response
-            .body(Full::new(body))
-            .map_err(|error| Rejection::from(ConnectError::internal(error.to_string())))?;
+        let mut response = response.body(Full::new(body)).map_err(|error| Rejection::from(ConnectError::internal(error.to_string())))?;
         for (name, value) in &extra_headers {
             response.headers_mut().append(name, value.clone());
         }
@@ -346,11 +297,7 @@ struct Rejection {
 
 impl Rejection {
     fn new(status: StatusCode, error: ConnectError) -> Self {
-        Rejection {
-            status,
-            error,
-            extra: Vec::new(),
-        }
+        Rejection { status, error, extra: Vec::new() }
     }
 
     fn with_header(mut self, name: header::HeaderName, value: HeaderValue) -> Self {
@@ -372,22 +319,8 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 fn error_response(status: StatusCode, error: &ConnectError) -> http::Response<Full<Bytes>> {
     let mut response = http::Response::new(Full::new(error.to_json()));
     *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
-}
-
-/// "outer: inner: innermost": every layer of an error in one line, printed once.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Serves `router` on `listener` until `shutdown` is cancelled, then lets in-flight
@@ -395,9 +328,19 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
 ///
 /// # Errors
 /// Only when accepting fails in a way that is not per-connection.
-pub async fn serve(
+pub async fn serve(listener: TcpListener, router: Arc<Router>, shutdown: CancellationToken, drain: Duration) -> std::io::Result<()> {
+    serve_with_fallback(listener, router, None, shutdown, drain).await
+}
+
+/// [`serve`], with every request that is not one of the router's procedures answered
+/// by `fallback` (when there is one).
+///
+/// # Errors
+/// Only when accepting fails in a way that is not per-connection.
+pub async fn serve_with_fallback(
     listener: TcpListener,
     router: Arc<Router>,
+    fallback: Option<Fallback>,
     shutdown: CancellationToken,
     drain: Duration,
 ) -> std::io::Result<()> {
@@ -416,13 +359,19 @@ pub async fn serve(
             },
         };
         let router = Arc::clone(&router);
+        let fallback = fallback.clone();
         let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
             let router = Arc::clone(&router);
-            async move { Ok::<_, Infallible>(router.handle(request, Some(peer)).await) }
+            let fallback = fallback.clone();
+            async move {
+                let response = match fallback {
+                    Some(fallback) if !router.routes(request.uri().path()) => fallback(request).await,
+                    _ => router.handle(request, Some(peer)).await.map(|body| body.map_err(|never| match never {}).boxed()),
+                };
+                Ok::<_, Infallible>(response)
+            }
         });
-        let connection = hyper::server::conn::http1::Builder::new()
-            .keep_alive(true)
-            .serve_connection(TokioIo::new(stream), service);
+        let connection = hyper::server::conn::http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(stream), service);
         let connection = graceful.watch(connection);
         connections.spawn(async move {
             if let Err(error) = connection.await {

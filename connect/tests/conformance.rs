@@ -25,7 +25,10 @@ use connect::{CallOptions, Client, Code, Codec, ConnectError};
 use http::{HeaderMap, HeaderValue};
 use proto::{
     ping::v1::{PingRequest, PingResponse},
-    runner::v1::{DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest, RegisterResponse, Result as TaskResult, Runner, RunnerStatus, TaskState, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse},
+    runner::v1::{
+        DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest, RegisterResponse, Result as TaskResult, Runner, RunnerStatus,
+        TaskState, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
+    },
 };
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -82,7 +85,10 @@ async fn run_case(client: &Client, name: &str) -> Result<(), String> {
     let none = CallOptions::default();
     match name {
         "ping" => {
-            let r = client.unary::<_, PingResponse>("ping.v1.PingService/Ping", &PingRequest { data: "conformance".into() }, &none).await.map_err(|e| e.to_string())?;
+            let r = client
+                .unary::<_, PingResponse>("ping.v1.PingService/Ping", &PingRequest { data: "conformance".into() }, &none)
+                .await
+                .map_err(|e| e.to_string())?;
             check("data", r.message.data.as_str(), "Hello, conformance!")
         }
         "register" => {
@@ -127,12 +133,18 @@ async fn run_case(client: &Client, name: &str) -> Result<(), String> {
             check("status", runner.status, RunnerStatus::Active as i32)
         }
         "fetch-task" => {
-            let r = client.unary::<_, FetchTaskResponse>(&format!("{RUNNER}FetchTask"), &FetchTaskRequest { tasks_version: 0 }, &authed()).await.map_err(|e| e.to_string())?;
+            let r = client
+                .unary::<_, FetchTaskResponse>(&format!("{RUNNER}FetchTask"), &FetchTaskRequest { tasks_version: 0 }, &authed())
+                .await
+                .map_err(|e| e.to_string())?;
             check("tasks_version", r.message.tasks_version, 7)?;
             check("task", r.message.task, Some(fixture_task()))
         }
         "fetch-empty" => {
-            let r = client.unary::<_, FetchTaskResponse>(&format!("{RUNNER}FetchTask"), &FetchTaskRequest { tasks_version: 7 }, &authed()).await.map_err(|e| e.to_string())?;
+            let r = client
+                .unary::<_, FetchTaskResponse>(&format!("{RUNNER}FetchTask"), &FetchTaskRequest { tasks_version: 7 }, &authed())
+                .await
+                .map_err(|e| e.to_string())?;
             check("response", r.message, FetchTaskResponse { task: None, tasks_version: 7 })
         }
         "update-task" => {

@@ -90,23 +90,176 @@ async fn malformed_requests_get_the_right_connect_error() {
     }
     let cases = [
         Case { name: "GET", method: "GET", path: FETCH, headers: authed(&[]), body: b"", status: 405, code: "unimplemented", message_contains: "POST" },
-        Case { name: "unknown method", method: "POST", path: "/api/actions/runner.v1.RunnerService/FetchSingleTask", headers: authed(&[("content-type", "application/proto")]), body: &valid, status: 404, code: "unimplemented", message_contains: "FetchSingleTask" },
-        Case { name: "unknown service", method: "POST", path: "/api/actions/runner.v2.RunnerService/FetchTask", headers: authed(&[("content-type", "application/proto")]), body: &valid, status: 404, code: "unimplemented", message_contains: "runner.v2" },
-        Case { name: "missing prefix", method: "POST", path: "/runner.v1.RunnerService/FetchTask", headers: authed(&[("content-type", "application/proto")]), body: &valid, status: 404, code: "unimplemented", message_contains: "no procedure" },
-        Case { name: "wrong content type", method: "POST", path: FETCH, headers: authed(&[("content-type", "text/plain")]), body: &valid, status: 415, code: "unknown", message_contains: "text/plain" },
-        Case { name: "no content type", method: "POST", path: FETCH, headers: authed(&[]), body: &valid, status: 415, code: "unknown", message_contains: "content-type" },
-        Case { name: "streaming content type", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/connect+proto")]), body: &valid, status: 415, code: "unknown", message_contains: "connect+proto" },
-        Case { name: "bad protobuf", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/proto")]), body: &[0x08, 0xff], status: 400, code: "invalid_argument", message_contains: "runner.v1.FetchTaskRequest" },
-        Case { name: "bad JSON", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/json")]), body: b"{\"tasksVersion\":", status: 400, code: "invalid_argument", message_contains: "JSON" },
-        Case { name: "JSON of the wrong type", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/json")]), body: b"{\"tasksVersion\":\"seven\"}", status: 400, code: "invalid_argument", message_contains: "invalid JSON" },
-        Case { name: "oversize body", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/json")]), body: &big, status: 429, code: "resource_exhausted", message_contains: "1024 bytes" },
-        Case { name: "gzip bomb", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/proto"), ("content-encoding", "gzip")]), body: &bomb, status: 429, code: "resource_exhausted", message_contains: "1024 bytes" },
-        Case { name: "bad gzip", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/proto"), ("content-encoding", "gzip")]), body: b"not gzip", status: 400, code: "invalid_argument", message_contains: "decompress" },
-        Case { name: "unknown content encoding", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/proto"), ("content-encoding", "br")]), body: &valid, status: 501, code: "unimplemented", message_contains: "br" },
-        Case { name: "wrong protocol version", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/proto"), ("connect-protocol-version", "2")]), body: &valid, status: 400, code: "invalid_argument", message_contains: "Connect-Protocol-Version" },
-        Case { name: "bad timeout", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/proto"), ("connect-timeout-ms", "soon")]), body: &valid, status: 400, code: "invalid_argument", message_contains: "Connect-Timeout-Ms" },
-        Case { name: "timeout with 11 digits", method: "POST", path: FETCH, headers: authed(&[("content-type", "application/proto"), ("connect-timeout-ms", "10000000000")]), body: &valid, status: 400, code: "invalid_argument", message_contains: "Connect-Timeout-Ms" },
-        Case { name: "unauthenticated", method: "POST", path: FETCH, headers: vec![("content-type", "application/proto")], body: &valid, status: 401, code: "unauthenticated", message_contains: "unregistered runner" },
+        Case {
+            name: "unknown method",
+            method: "POST",
+            path: "/api/actions/runner.v1.RunnerService/FetchSingleTask",
+            headers: authed(&[("content-type", "application/proto")]),
+            body: &valid,
+            status: 404,
+            code: "unimplemented",
+            message_contains: "FetchSingleTask",
+        },
+        Case {
+            name: "unknown service",
+            method: "POST",
+            path: "/api/actions/runner.v2.RunnerService/FetchTask",
+            headers: authed(&[("content-type", "application/proto")]),
+            body: &valid,
+            status: 404,
+            code: "unimplemented",
+            message_contains: "runner.v2",
+        },
+        Case {
+            name: "missing prefix",
+            method: "POST",
+            path: "/runner.v1.RunnerService/FetchTask",
+            headers: authed(&[("content-type", "application/proto")]),
+            body: &valid,
+            status: 404,
+            code: "unimplemented",
+            message_contains: "no procedure",
+        },
+        Case {
+            name: "wrong content type",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "text/plain")]),
+            body: &valid,
+            status: 415,
+            code: "unknown",
+            message_contains: "text/plain",
+        },
+        Case {
+            name: "no content type",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[]),
+            body: &valid,
+            status: 415,
+            code: "unknown",
+            message_contains: "content-type",
+        },
+        Case {
+            name: "streaming content type",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/connect+proto")]),
+            body: &valid,
+            status: 415,
+            code: "unknown",
+            message_contains: "connect+proto",
+        },
+        Case {
+            name: "bad protobuf",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/proto")]),
+            body: &[0x08, 0xff],
+            status: 400,
+            code: "invalid_argument",
+            message_contains: "runner.v1.FetchTaskRequest",
+        },
+        Case {
+            name: "bad JSON",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/json")]),
+            body: b"{\"tasksVersion\":",
+            status: 400,
+            code: "invalid_argument",
+            message_contains: "JSON",
+        },
+        Case {
+            name: "JSON of the wrong type",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/json")]),
+            body: b"{\"tasksVersion\":\"seven\"}",
+            status: 400,
+            code: "invalid_argument",
+            message_contains: "invalid JSON",
+        },
+        Case {
+            name: "oversize body",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/json")]),
+            body: &big,
+            status: 429,
+            code: "resource_exhausted",
+            message_contains: "1024 bytes",
+        },
+        Case {
+            name: "gzip bomb",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/proto"), ("content-encoding", "gzip")]),
+            body: &bomb,
+            status: 429,
+            code: "resource_exhausted",
+            message_contains: "1024 bytes",
+        },
+        Case {
+            name: "bad gzip",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/proto"), ("content-encoding", "gzip")]),
+            body: b"not gzip",
+            status: 400,
+            code: "invalid_argument",
+            message_contains: "decompress",
+        },
+        Case {
+            name: "unknown content encoding",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/proto"), ("content-encoding", "br")]),
+            body: &valid,
+            status: 501,
+            code: "unimplemented",
+            message_contains: "br",
+        },
+        Case {
+            name: "wrong protocol version",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/proto"), ("connect-protocol-version", "2")]),
+            body: &valid,
+            status: 400,
+            code: "invalid_argument",
+            message_contains: "Connect-Protocol-Version",
+        },
+        Case {
+            name: "bad timeout",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/proto"), ("connect-timeout-ms", "soon")]),
+            body: &valid,
+            status: 400,
+            code: "invalid_argument",
+            message_contains: "Connect-Timeout-Ms",
+        },
+        Case {
+            name: "timeout with 11 digits",
+            method: "POST",
+            path: FETCH,
+            headers: authed(&[("content-type", "application/proto"), ("connect-timeout-ms", "10000000000")]),
+            body: &valid,
+            status: 400,
+            code: "invalid_argument",
+            message_contains: "Connect-Timeout-Ms",
+        },
+        Case {
+            name: "unauthenticated",
+            method: "POST",
+            path: FETCH,
+            headers: vec![("content-type", "application/proto")],
+            body: &valid,
+            status: 401,
+            code: "unauthenticated",
+            message_contains: "unregistered runner",
+        },
     ];
     for case in &cases {
         let response = raw(server.addr, case.method, case.path, &case.headers, case.body).await;
@@ -171,7 +324,8 @@ async fn large_responses_are_gzipped_when_accepted_and_the_client_decodes_them()
 async fn gzipped_requests_are_accepted() {
     let server = TestServer::start(fixture_router()).await;
     let body = connect::protocol::gzip(&PingRequest { data: "zip".into() }.encode_to_vec());
-    let response = raw(server.addr, "POST", "/api/actions/ping.v1.PingService/Ping", &[("content-type", "application/proto"), ("content-encoding", "gzip")], &body).await;
+    let response =
+        raw(server.addr, "POST", "/api/actions/ping.v1.PingService/Ping", &[("content-type", "application/proto"), ("content-encoding", "gzip")], &body).await;
     assert_eq!(response.status, 200);
     assert_eq!(PingResponse::decode(response.body.as_slice()).unwrap().data, "Hello, zip!");
     server.stop().await;
@@ -191,10 +345,7 @@ async fn client_reports_transport_failures_as_unavailable() {
     let addr = listener.local_addr().unwrap();
     drop(listener);
     let client = Client::new(&format!("http://{addr}/api/actions"), proto::descriptor_pool().clone()).unwrap();
-    let error = client
-        .unary::<_, PingResponse>("ping.v1.PingService/Ping", &PingRequest::default(), &CallOptions::default())
-        .await
-        .unwrap_err();
+    let error = client.unary::<_, PingResponse>("ping.v1.PingService/Ping", &PingRequest::default(), &CallOptions::default()).await.unwrap_err();
     assert_eq!(error.code, Code::Unavailable, "{error}");
 }
 
@@ -222,10 +373,7 @@ async fn client_rejects_a_success_with_the_wrong_content_type() {
         let _ = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
     });
     let client = Client::new(&format!("http://{addr}"), proto::descriptor_pool().clone()).unwrap();
-    let error = client
-        .unary::<_, PingResponse>("ping.v1.PingService/Ping", &PingRequest::default(), &CallOptions::default())
-        .await
-        .unwrap_err();
+    let error = client.unary::<_, PingResponse>("ping.v1.PingService/Ping", &PingRequest::default(), &CallOptions::default()).await.unwrap_err();
     assert_eq!(error.code, Code::Internal);
     assert!(error.message.contains("text/html"), "{error}");
     server.abort();

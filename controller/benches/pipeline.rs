@@ -7,14 +7,20 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../tests/common/nats.rs"]
-mod nats;
+use testkit::nats;
 
-use std::{sync::Arc, time::{Duration, Instant}};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use controller::{
-    gitea,
-    placement::{self, Placement},
+    assignment::{Placement, Rules, placement::LabelPolicy},
+    gitea::{
+        self,
+        registrations::{RegistrationSettings, Registrations},
+    },
+    placements::Placements,
     scheduler::{Outcome, Scheduler, SchedulerConfig},
     store::{Store, embedded::Embedded, jetstream::JetStream},
 };
@@ -24,13 +30,6 @@ use tokio_util::sync::CancellationToken;
 const TASKS: usize = 1_000;
 const LOOPS: usize = 8;
 
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
-        .unwrap_or(0)
-}
-
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[index].as_secs_f64() * 1000.0
@@ -39,12 +38,18 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 async fn gitea_with_jobs(dir: &std::path::Path) -> (FakeGitea, gitea::Gitea) {
     let fake = FakeGitea::start().await;
     for _ in 0..TASKS {
-        fake.add_job(Job::new(&["self-hosted", "container", "docker"]));
+        fake.add_job(Job::new(&["disposable", "container", "docker"]));
     }
     std::fs::write(dir.join("token"), REGISTRATION_TOKEN).unwrap();
-    let labels = placement::declared_labels(&[Placement::CONTAINER_DOCKER]);
-    let (client, _) = gitea::connect(&fake.url(), &dir.join("runner.json"), Some(&dir.join("token")), "bench", &labels).await.unwrap();
-    (fake, client)
+    let settings = RegistrationSettings {
+        url: fake.url(),
+        credential_dir: dir.join("runners"),
+        registration_token_file: Some(dir.join("token")),
+        runner_name: "bench".into(),
+        labels: LabelPolicy::default(),
+    };
+    let registrations = Registrations::open(&settings, &[Placement::CONTAINER_DOCKER]).await.unwrap();
+    (fake, registrations.fetcher(Placement::CONTAINER_DOCKER).unwrap().clone())
 }
 
 /// FetchTask alone from LOOPS concurrent callers: how fast the fake hands out tasks.
@@ -72,14 +77,18 @@ async fn pipeline(name: &str, store: Arc<dyn Store>) {
     let dir = tempfile::tempdir().unwrap();
     let (_fake, client) = gitea_with_jobs(dir.path()).await;
     let (observer, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
+    // Capacity for every task: this measures fetching and persisting, not admission.
+    let mut placements = Placements::new();
+    placements.add(Placement::CONTAINER_DOCKER, TASKS, None);
     let scheduler = Arc::new(
         Scheduler::new(
+            Placement::CONTAINER_DOCKER,
             client,
             Arc::clone(&store),
+            placements,
             SchedulerConfig {
-                trust_domain: "example.org".into(),
-                enabled: vec![Placement::CONTAINER_DOCKER],
-                loops: LOOPS,
+                rules: Rules { trust_domain: "example.org".into(), labels: LabelPolicy::default() },
+                max_loops: LOOPS,
                 fetch_interval: Duration::from_millis(20),
                 fetch_timeout: Duration::from_secs(5),
             },
@@ -108,7 +117,7 @@ async fn pipeline(name: &str, store: Arc<dyn Store>) {
         percentile(&latencies, 0.99),
         percentile(&latencies, 1.0),
         store.list().await.unwrap().len(),
-        rss_kib()
+        testkit::rss_kib()
     );
 }
 

@@ -11,20 +11,20 @@
 //! - `jetstream-sync`: the same with `sync_interval: always`, the durability that
 //!   matches redb's on a single server.
 
-#[path = "../tests/common/nats.rs"]
-mod nats;
+use testkit::nats;
 
 use std::error::Error;
 use std::time::{Duration, Instant};
 
+use controller::assignment::Placement;
 use controller::store::{Record, State, Store, embedded::Embedded, jetstream::JetStream};
 use futures_util::StreamExt;
 
 const N: u64 = 1_000;
 const ENVELOPE_BYTES: usize = 4 * 1024;
 const CONCURRENCY: usize = 16;
-const SEQUENTIAL: &str = "container.docker";
-const CONCURRENT: &str = "vm.firecracker";
+const SEQUENTIAL: Placement = Placement::CONTAINER_DOCKER;
+const CONCURRENT: Placement = Placement::VM_OPENSANDBOX;
 
 type BenchResult<T> = Result<T, Box<dyn Error>>;
 
@@ -41,15 +41,18 @@ fn envelope(seed: u64) -> Vec<u8> {
         .collect()
 }
 
-fn record(n: u64, placement: &str) -> Record {
+fn record(n: u64, placement: Placement) -> Record {
     Record {
         assignment_id: format!("gitea-task-{n}"),
-        placement: placement.to_owned(),
+        placement,
         state: State::Pending,
         envelope: envelope(n),
         environment: None,
         updated_at_ms: controller::store::now_ms(),
         created_at_ms: controller::store::now_ms(),
+        runner: String::new(),
+        phase: None,
+        timeline: Vec::new(),
     }
 }
 
@@ -83,8 +86,7 @@ async fn run(name: &str, store: &dyn Store) -> BenchResult<()> {
     // 2. Persists with CONCURRENCY in flight (several fetch loops at once).
     let records: Vec<Record> = (N..2 * N).map(|n| record(n, CONCURRENT)).collect();
     let started = Instant::now();
-    let results: Vec<_> =
-        futures_util::stream::iter(&records).map(|r| store.persist(r)).buffer_unordered(CONCURRENCY).collect().await;
+    let results: Vec<_> = futures_util::stream::iter(&records).map(|r| store.persist(r)).buffer_unordered(CONCURRENCY).collect().await;
     let concurrent = started.elapsed();
     for result in results {
         result?;
@@ -117,10 +119,7 @@ async fn main() -> BenchResult<()> {
         "{N} assignments per run, {ENVELOPE_BYTES} B envelopes; persist/s and latencies sequential; \
          x{CONCURRENCY} = {CONCURRENCY} persists in flight; consume+ack sequential"
     );
-    println!(
-        "{:<16} {:>10} {:>8} {:>8} {:>8} {:>14} {:>14}",
-        "backend", "persist/s", "p50 ms", "p99 ms", "max ms", "persist/s x16", "consume+ack/s"
-    );
+    println!("{:<16} {:>10} {:>8} {:>8} {:>8} {:>14} {:>14}", "backend", "persist/s", "p50 ms", "p99 ms", "max ms", "persist/s x16", "consume+ack/s");
 
     let dir = tempfile::tempdir()?;
     let embedded = Embedded::open(&dir.path().join("bench.redb"))?;

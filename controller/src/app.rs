@@ -6,24 +6,23 @@
 //! aliases `pod-worker` (container.kubernetes) and `vm-worker` (vm.opensandbox).
 //! Records live in the store, so the components may run in separate processes.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    capability::CapabilityKey,
+    assignment::{Placement, capability::CapabilityKey},
     config::{Config, StoreConfig},
     driver::Driver,
     facade::{self, Facade},
-    gitea,
-    keepalive::KeepAlive,
+    gitea::registrations::{RegistrationSettings, Registrations},
+    lifecycle::Lifecycle,
     metrics::{Metrics, PlacementLabel},
-    placement::Placement,
-    pool::Pool,
-    scheduler::{Scheduler, SchedulerConfig},
+    placements::Placements,
+    scheduler::{Scheduler, SchedulerConfig, keepalive::KeepAlive},
     store::{Store, embedded::Embedded, jetstream::JetStream},
-    worker::{EnvironmentContract, Worker},
+    worker::{EnvironmentSettings, Worker},
 };
 
 /// Which components this process runs.
@@ -73,13 +72,13 @@ impl Components {
     }
 }
 
-/// The driver of a placement, if this build has one: docker for container.docker
-/// (kubernetes and opensandbox arrive with their own issues); in `test-driver` builds
+/// The driver of a placement, if this build has one: docker for container.docker,
+/// opensandbox for vm.opensandbox (kubernetes arrives with its own issue); in `test-driver` builds
 /// the directory driver when GDR_TEST_DRIVER_DIR is set.
 async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Option<Arc<dyn Driver>>> {
     #[cfg(feature = "test-driver")]
     if let Ok(dir) = std::env::var("GDR_TEST_DRIVER_DIR") {
-        return Ok(Some(Arc::new(crate::test_driver::DirectoryDriver { placement, dir: dir.into() })));
+        return Ok(Some(Arc::new(crate::driver::directory::DirectoryDriver { placement, dir: dir.into() })));
     }
     if placement == Placement::CONTAINER_DOCKER
         && let Some(docker) = &config.docker
@@ -87,7 +86,53 @@ async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Opt
         let driver = crate::driver::docker::DockerDriver::connect(docker.clone()).await.context("docker")?;
         return Ok(Some(Arc::new(driver)));
     }
+    if placement == Placement::VM_OPENSANDBOX
+        && let Some(opensandbox) = &config.opensandbox
+    {
+        let driver = crate::driver::opensandbox::OpenSandboxDriver::connect(opensandbox.clone()).await.context("opensandbox")?;
+        return Ok(Some(Arc::new(driver)));
+    }
     Ok(None)
+}
+
+/// How this controller registers with Gitea.
+pub fn registration_settings(config: &Config) -> RegistrationSettings {
+    RegistrationSettings {
+        url: config.gitea.url.clone(),
+        credential_dir: config.gitea.credential_dir.clone(),
+        registration_token_file: config.gitea.registration_token_file.clone(),
+        runner_name: config.gitea.runner_name.clone(),
+        labels: config.label_policy(),
+    }
+}
+
+/// `controller register`: registers (or loads) and Declares every placement's runner,
+/// then exits — run once before starting several replicas, so that they share one
+/// runner per placement.
+///
+/// # Errors
+/// The registration that failed.
+pub async fn register(config: &Config) -> anyhow::Result<()> {
+    let placements: Vec<Placement> = config.pools.iter().map(|p| p.placement).collect();
+    let settings = registration_settings(config);
+    Registrations::open(&settings, &placements).await?;
+    for placement in placements {
+        println!("{placement}: {}", settings.credential_file(placement).display());
+    }
+    Ok(())
+}
+
+/// The configured store.
+///
+/// # Errors
+/// When it cannot be opened or reached.
+pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match &config.store {
+        StoreConfig::Embedded { path } => Arc::new(Embedded::open(path).with_context(|| format!("store.path {}", path.display()))?),
+        StoreConfig::Jetstream { url, subject, bucket, ack_wait, replicas } => {
+            Arc::new(JetStream::connect_replicated(url, subject, bucket, *ack_wait, *replicas).await.with_context(|| format!("store.url {url}"))?)
+        }
+    })
 }
 
 /// Runs until `shutdown`, then joins every component (bounded by 30 s).
@@ -95,80 +140,96 @@ async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Opt
 /// # Errors
 /// Start-up failures (store, Gitea, configuration) and final component errors.
 pub async fn run(config: Config, components: Components, shutdown: CancellationToken) -> anyhow::Result<()> {
+    run_with(config, components, Overrides::default(), shutdown).await
+}
+
+/// What a caller (a test) supplies instead of what the configuration would make.
+#[derive(Debug, Default)]
+pub struct Overrides {
+    /// Drivers to use instead of the configured ones.
+    pub drivers: BTreeMap<Placement, Arc<dyn Driver>>,
+    /// The store to use instead of opening the configured one (so the caller can watch
+    /// the records).
+    pub store: Option<Arc<dyn Store>>,
+}
+
+/// [`run`] with some parts supplied by the caller.
+///
+/// # Errors
+/// Start-up failures (store, Gitea, configuration) and final component errors.
+pub async fn run_with(config: Config, components: Components, overrides: Overrides, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let Overrides { mut drivers, store } = overrides;
     let metrics = Arc::new(Metrics::new());
     let mut tasks = tokio::task::JoinSet::new();
 
-    let listener = tokio::net::TcpListener::bind(&config.http.listen)
-        .await
-        .with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
+    let listener = tokio::net::TcpListener::bind(&config.http.listen).await.with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
     tasks.spawn(named("metrics", crate::metrics::serve(listener, Arc::clone(&metrics), shutdown.clone())));
 
-    let store: Arc<dyn Store> = match &config.store {
-        StoreConfig::Embedded { path } => Arc::new(Embedded::open(path).with_context(|| format!("store.path {}", path.display()))?),
-        StoreConfig::Jetstream { url, subject, bucket, ack_wait } => Arc::new(
-            JetStream::connect(url, subject, bucket, *ack_wait)
-                .await
-                .with_context(|| format!("store.url {url}"))?,
-        ),
+    let store = match store {
+        Some(store) => store,
+        None => open_store(&config).await?,
     };
-    let placements: Vec<Placement> = config.pools.iter().map(|p| p.placement).collect();
-    let labels = crate::placement::declared_labels(&placements);
-    let (gitea, _) = gitea::connect(
-        &config.gitea.url,
-        &config.gitea.credential_file,
-        config.gitea.registration_token_file.as_deref(),
-        &config.gitea.runner_name,
-        &labels,
-    )
-    .await?;
-    let key = Arc::new(CapabilityKey::from_file(&config.facade.capability_key_file).context("facade.capability_key_file")?);
-
-    let mut pools = HashMap::new();
-    let mut drivers: HashMap<String, Arc<dyn Driver>> = HashMap::new();
+    let mut placements = Placements::new();
     for pool in &config.pools {
-        let name = pool.placement.to_string();
-        pools.insert(name.clone(), Arc::new(Pool::new(name.clone(), pool.capacity)));
-        metrics.pool_capacity.get_or_create(&PlacementLabel { placement: name.clone() }).set(i64::try_from(pool.capacity).unwrap_or(i64::MAX));
-        match driver_for(pool.placement, &config).await? {
-            Some(driver) => {
-                drivers.insert(name, driver);
+        let placement = pool.placement;
+        let driver = if components.worker_for(placement) {
+            let driver = match drivers.remove(&placement) {
+                Some(driver) => Some(driver),
+                None => driver_for(placement, &config).await?,
+            };
+            match driver {
+                Some(driver) => Some(driver),
+                None => bail!(
+                    "pool {placement}: this build has no {} driver yet (only docker and opensandbox); leave this worker out of --components",
+                    placement.driver
+                ),
             }
-            None if components.worker_for(pool.placement) => {
-                bail!("pool {name}: this build has no {} driver yet (only docker); leave this worker out of --components", pool.placement.driver)
-            }
-            None => {}
-        }
+        } else {
+            None
+        };
+        placements.add(placement, pool.capacity, driver);
+        metrics.pool_capacity.get_or_create(&PlacementLabel { placement: placement.to_string() }).set(i64::try_from(pool.capacity).unwrap_or(i64::MAX));
     }
+    let registrations = Registrations::open(&registration_settings(&config), &placements.enabled()).await?;
+    let key = Arc::new(CapabilityKey::from_file(&config.facade.capability_key_file).context("facade.capability_key_file")?);
+    let lifecycle = Lifecycle::new(Arc::clone(&store), placements.clone(), registrations.clone());
+    let rules = config.rules();
 
-    let contract = EnvironmentContract {
+    let settings = EnvironmentSettings {
         facade_url: config.facade.url.clone(),
         facade_spiffe_id: config.facade.spiffe_id.clone(),
         spiffe_endpoint_socket: config.facade.environment_spiffe_endpoint_socket.clone(),
+        gitea_url: Some(config.gitea.environment_url.clone().unwrap_or_else(|| config.gitea.url.clone())),
+        instance: crate::driver::instance_of(&config.gitea.url),
         capability_ttl: config.facade.capability_ttl,
     };
-    for pool in &config.pools {
-        if !components.worker_for(pool.placement) {
-            continue;
-        }
-        let name = pool.placement.to_string();
-        let (Some(driver), Some(slots)) = (drivers.get(&name), pools.get(&name)) else { continue };
-        let worker = Arc::new(Worker::new(Arc::clone(&store), Arc::clone(driver), Arc::clone(slots), Arc::clone(&key), contract.clone(), config.identity.trust_domain.clone()));
-        worker.recover().await.with_context(|| format!("pool {name}: rebuilding from the driver"))?;
+    for runtime in placements.iter() {
+        let Some(driver) = runtime.driver.clone() else { continue };
+        let worker = Arc::new(
+            Worker::new(Arc::clone(runtime), driver, Arc::clone(&store), Arc::clone(&key), settings.clone(), rules.clone(), lifecycle.clone())
+                .with_sweep_interval(config.gitea.reconcile_interval),
+        );
+        worker.recover().await.with_context(|| format!("pool {}: rebuilding from the driver", runtime.placement))?;
         tasks.spawn(named("worker", Arc::clone(&worker).run(shutdown.clone())));
     }
 
     if components.facade {
         let facade = Arc::new(
-            Facade::new(Arc::clone(&store), gitea.clone(), Arc::clone(&key), config.identity.trust_domain.clone(), drivers.clone(), pools.clone())
-                .with_metrics(Arc::clone(&metrics)),
+            Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), Arc::clone(&key), rules.clone()).with_metrics(Arc::clone(&metrics)),
         );
         if let Some(path) = config.facade.unix_socket.clone() {
             let facade = Arc::clone(&facade);
             let shutdown = shutdown.clone();
             tasks.spawn(async move { facade::serve_unix(facade, &path, shutdown).await.map_err(anyhow::Error::from) });
         }
+        if let Some(listen) = config.facade.insecure_listen.clone() {
+            let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.insecure_listen {listen}"))?;
+            tracing::warn!(%listen, "facade development mode: plain HTTP/2 on a private address, authenticated by the capability alone");
+            tasks.spawn(named("facade", facade::serve_insecure_tcp(Arc::clone(&facade), listener, shutdown.clone())));
+        }
         if let (Some(listen), Some(endpoint)) = (config.facade.listen.clone(), config.facade.spiffe_endpoint_socket.clone()) {
-            let source = spiffe::X509Source::builder().endpoint(&endpoint).build().await.with_context(|| format!("facade.spiffe_endpoint_socket {endpoint}"))?;
+            let source =
+                spiffe::X509Source::builder().endpoint(&endpoint).build().await.with_context(|| format!("facade.spiffe_endpoint_socket {endpoint}"))?;
             let tls = facade::mtls_server_config(source, &config.identity.trust_domain)?;
             let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.listen {listen}"))?;
             tasks.spawn(named("facade", facade::serve_mtls(facade, listener, tls, shutdown.clone())));
@@ -176,38 +237,36 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
     }
 
     if components.scheduler {
-        let scheduler = Arc::new(Scheduler::new(
-            gitea.clone(),
-            Arc::clone(&store),
-            SchedulerConfig {
-                trust_domain: config.identity.trust_domain.clone(),
-                enabled: placements.clone(),
-                loops: config.total_capacity(),
-                fetch_interval: config.gitea.fetch_interval,
-                fetch_timeout: Duration::from_secs(5),
-            },
-        )
-        .with_metrics(Arc::clone(&metrics)));
-        tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
-        let keep_alive = KeepAlive { store: Arc::clone(&store), gitea: gitea.clone(), drivers: drivers.clone(), pools: pools.clone() };
+        let scheduler_config =
+            SchedulerConfig { rules: rules.clone(), fetch_interval: config.gitea.fetch_interval, fetch_timeout: Duration::from_secs(5), max_loops: 8 };
+        for placement in placements.enabled() {
+            let Some(gitea) = registrations.fetcher(placement).cloned() else { continue };
+            let scheduler = Arc::new(
+                Scheduler::new(placement, gitea, Arc::clone(&store), placements.clone(), scheduler_config.clone())
+                    .with_metrics(Arc::clone(&metrics))
+                    .with_lease_ttl(config.gitea.lease_ttl),
+            );
+            tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
+        }
+        let keep_alive = KeepAlive { store: Arc::clone(&store), registrations: registrations.clone(), lifecycle: lifecycle.clone() };
         let interval = config.gitea.keepalive_interval;
-        let reconcile = config.gitea.reconcile_interval;
         let keep_shutdown = shutdown.clone();
         tasks.spawn(async move {
-            keep_alive.run(interval, reconcile, keep_shutdown).await;
+            keep_alive.run(interval, keep_shutdown).await;
             Ok(())
         });
     }
 
     // Gauges that come from elsewhere, refreshed every few seconds.
     {
-        let (store, metrics, pools, shutdown) = (Arc::clone(&store), Arc::clone(&metrics), pools.clone(), shutdown.clone());
+        let (store, metrics, placements, shutdown) = (Arc::clone(&store), Arc::clone(&metrics), placements.clone(), shutdown.clone());
         tasks.spawn(async move {
             while !shutdown.is_cancelled() {
-                for (placement, pool) in &pools {
-                    let label = PlacementLabel { placement: placement.clone() };
-                    metrics.pool_in_use.get_or_create(&label).set(i64::try_from(pool.in_use()).unwrap_or(i64::MAX));
-                    if let Ok(depth) = store.queue_depth(placement).await {
+                for runtime in placements.iter() {
+                    let name = runtime.placement.to_string();
+                    let label = PlacementLabel { placement: name.clone() };
+                    metrics.pool_in_use.get_or_create(&label).set(i64::try_from(runtime.pool.in_use()).unwrap_or(i64::MAX));
+                    if let Ok(depth) = store.queue_depth(runtime.placement).await {
                         metrics.queue_depth.get_or_create(&label).set(i64::try_from(depth).unwrap_or(i64::MAX));
                     }
                 }
@@ -219,8 +278,33 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
             Ok(())
         });
     }
-    metrics.set_ready(true);
-    tracing::info!(components = ?components, placements = ?placements, "controller running");
+    // Ready while the store answers: during a NATS outage nothing can be persisted,
+    // claimed or finished, and a load balancer should know.
+    {
+        let (store, metrics, shutdown) = (Arc::clone(&store), Arc::clone(&metrics), shutdown.clone());
+        metrics.set_ready(true);
+        tasks.spawn(async move {
+            let mut was_ready = true;
+            while !shutdown.is_cancelled() {
+                let ready = tokio::time::timeout(Duration::from_secs(2), store.healthy()).await.is_ok_and(|r| r.is_ok());
+                if ready != was_ready {
+                    if ready {
+                        tracing::info!("the store answers again: ready")
+                    } else {
+                        tracing::warn!("the store does not answer: not ready")
+                    }
+                    was_ready = ready;
+                }
+                metrics.set_ready(ready);
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+            Ok(())
+        });
+    }
+    tracing::info!(components = ?components, placements = ?placements.enabled(), "controller running");
 
     let mut outcome = Ok(());
     let drain = async {
@@ -242,6 +326,7 @@ pub async fn run(config: Config, components: Components, shutdown: CancellationT
             tracing::warn!("components did not stop within 30 s; exiting");
         }
     }
+    lifecycle.drain(Duration::from_secs(10)).await;
     outcome
 }
 

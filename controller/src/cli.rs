@@ -27,6 +27,46 @@ pub enum Command {
         #[arg(long, env = "GDR_COMPONENTS", default_value = "scheduler,facade,worker")]
         components: String,
     },
+    /// Register every configured placement's runner with Gitea (or load the stored
+    /// credentials), Declare its labels, print the credential files and exit. Run it
+    /// once before starting several replicas: they must share these files.
+    Register {
+        #[arg(long, env = "GDR_CONFIG", value_name = "FILE")]
+        config: PathBuf,
+    },
+    /// Run one job of a workflow file here, in a local Docker container from the runner
+    /// image, with no Gitea: the log streams to the terminal and the exit code is the
+    /// job's (0 success, 1 failure, 130 cancelled). Ctrl-C cancels the job.
+    RunLocal(RunLocalArgs),
     /// Print the version and the protocols this build speaks.
     Version,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunLocalArgs {
+    /// The workflow file (e.g. examples/hello.yml).
+    #[arg(long, value_name = "FILE")]
+    pub workflow: PathBuf,
+    /// The job to run, when the workflow has several.
+    #[arg(long, value_name = "ID")]
+    pub job: Option<String>,
+    /// A secret whose value is read from FILE (repeatable); never from the command line.
+    #[arg(long = "secret", value_name = "NAME=@FILE")]
+    pub secrets: Vec<String>,
+    /// A `vars` value (repeatable).
+    #[arg(long = "var", value_name = "NAME=VALUE")]
+    pub vars: Vec<String>,
+    /// The runner image (scripts/build-image tags it gitea-dynamic-runner/runner:latest).
+    #[arg(long, env = "GDR_RUNNER_IMAGE", default_value = "gitea-dynamic-runner/runner:latest")]
+    pub image: String,
+    /// The Docker API socket of the host that runs the environment.
+    #[arg(long, env = "GDR_DOCKER_SOCKET", default_value = "/var/run/docker.sock")]
+    pub docker_socket: String,
+    /// Start the environment with --privileged instead of the explicit capability list
+    /// (some hosts refuse --privileged).
+    #[arg(long)]
+    pub privileged: bool,
+    /// The repository the job believes it runs for (owner/name).
+    #[arg(long, default_value = "local/workflow")]
+    pub repository: String,
 }

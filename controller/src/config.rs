@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use serde::Deserialize;
 
-use crate::placement::Placement;
+use crate::assignment::placement::Placement;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -24,6 +24,8 @@ pub struct Config {
     pub pools: Vec<PoolConfig>,
     /// The docker driver (placement container.docker).
     pub docker: Option<crate::driver::docker::DockerConfig>,
+    /// The OpenSandbox driver (placement vm.opensandbox).
+    pub opensandbox: Option<crate::driver::opensandbox::OpenSandboxConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -31,12 +33,24 @@ pub struct Config {
 pub struct GiteaConfig {
     /// The instance URL, e.g. `https://gitea.example.com`.
     pub url: String,
-    /// File holding the registration token; only read when no credential is stored.
+    /// Gitea as environments reach it (CI_GITEA_URL), when it differs from `url`:
+    /// jobs' checkout, artifacts and API calls go there through the supervisor.
+    pub environment_url: Option<String>,
+    /// File holding the registration token; only read when a placement has no stored
+    /// credential yet.
     pub registration_token_file: Option<PathBuf>,
-    /// Where the runner credential is kept (mode 0600).
-    pub credential_file: PathBuf,
+    /// Where the runner credentials are kept, one file per placement (mode 0600). Every
+    /// replica of the controller must see the same files.
+    pub credential_dir: PathBuf,
+    /// Registrations are named `<runner_name>-<placement>`.
     #[serde(default = "default_runner_name")]
     pub runner_name: String,
+    /// The label every job of this runner must name (see README "Labels").
+    #[serde(default = "default_required_label")]
+    pub required_label: String,
+    /// Also accept and declare the previous implementation's `pod` and `vm-dev`.
+    #[serde(default)]
+    pub legacy_labels: bool,
     #[serde(default = "default_fetch_interval", with = "duration")]
     pub fetch_interval: Duration,
     #[serde(default = "default_keepalive", with = "duration")]
@@ -44,6 +58,10 @@ pub struct GiteaConfig {
     /// How often environments are compared with assignments (dead ones fail their task).
     #[serde(default = "default_reconcile", with = "duration")]
     pub reconcile_interval: Duration,
+    /// How long a scheduler holds its registration after its last renewal: a standby
+    /// replica takes over this long after the holder died (at once after a clean stop).
+    #[serde(default = "default_lease_ttl", with = "duration")]
+    pub lease_ttl: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -66,6 +84,10 @@ pub enum StoreConfig {
         bucket: String,
         #[serde(default = "default_ack_wait", with = "duration")]
         ack_wait: Duration,
+        /// Copies of the stream and the buckets: 1, or 3 (or 5) on a JetStream cluster of
+        /// at least that many nodes, which then survives the loss of one (two).
+        #[serde(default = "default_replicas")]
+        replicas: usize,
     },
 }
 
@@ -86,15 +108,19 @@ pub struct FacadeConfig {
     pub unix_socket: Option<PathBuf>,
     /// mTLS listener for environments with SPIFFE, e.g. `0.0.0.0:9443`.
     pub listen: Option<String>,
+    /// Development mode: a plain-TCP listener (HTTP/2, no TLS) authenticated by the
+    /// capability alone, for environments that cannot mount the unix socket (sandbox
+    /// VMs) where no SPIRE runs. Only a loopback or private address, e.g.
+    /// `10.0.0.5:9444`; environments then get `url = "http://10.0.0.5:9444"`.
+    pub insecure_listen: Option<String>,
     /// The Workload API of the controller itself (for its own SVID).
     pub spiffe_endpoint_socket: Option<String>,
     /// The facade's URL and SPIFFE ID as environments see them.
     pub url: String,
-    #[serde(default)]
-    pub spiffe_id: String,
-    /// SPIFFE_ENDPOINT_SOCKET inside environments.
-    #[serde(default)]
-    pub environment_spiffe_endpoint_socket: String,
+    pub spiffe_id: Option<String>,
+    /// SPIFFE_ENDPOINT_SOCKET inside environments; set means environments wait for
+    /// their job's SVID before claiming.
+    pub environment_spiffe_endpoint_socket: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -120,20 +146,29 @@ pub struct PoolConfig {
 fn default_runner_name() -> String {
     "gitea-dynamic-runner".into()
 }
+fn default_required_label() -> String {
+    crate::assignment::placement::DISPOSABLE.into()
+}
 fn default_fetch_interval() -> Duration {
     Duration::from_secs(2)
 }
 fn default_keepalive() -> Duration {
-    crate::keepalive::DEFAULT_INTERVAL
+    crate::scheduler::keepalive::DEFAULT_INTERVAL
 }
 fn default_reconcile() -> Duration {
     Duration::from_secs(10)
+}
+fn default_lease_ttl() -> Duration {
+    crate::scheduler::LEASE_TTL
 }
 fn default_subject() -> String {
     "ci.assignments".into()
 }
 fn default_bucket() -> String {
     "ci-assignments".into()
+}
+fn default_replicas() -> usize {
+    1
 }
 fn default_ack_wait() -> Duration {
     Duration::from_secs(60)
@@ -142,7 +177,8 @@ fn default_capability_ttl() -> Duration {
     Duration::from_secs(24 * 3600)
 }
 
-mod duration {
+/// `"90s"`, `"3h"` … for `#[serde(with = "crate::config::duration")]`.
+pub mod duration {
     use std::time::Duration;
 
     use serde::{Deserialize, Deserializer};
@@ -153,20 +189,7 @@ mod duration {
     }
 }
 
-/// `500ms`, `2s`, `5m`, `1h`.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 500ms, 2s, 5m or 1h"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(number)),
-        "s" | "" => Ok(Duration::from_secs(number)),
-        "m" => Ok(Duration::from_secs(number * 60)),
-        "h" => Ok(Duration::from_secs(number * 3600)),
-        _ => Err(format!("{text:?} is not a duration like 500ms, 2s, 5m or 1h")),
-    }
-}
+pub use contract::units::parse_duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -186,13 +209,16 @@ pub enum ConfigError {
 const OVERRIDES: &[(&str, &str)] = &[
     ("GDR_GITEA_URL", "gitea.url"),
     ("GDR_GITEA_REGISTRATION_TOKEN_FILE", "gitea.registration_token_file"),
-    ("GDR_GITEA_CREDENTIAL_FILE", "gitea.credential_file"),
+    ("GDR_GITEA_ENVIRONMENT_URL", "gitea.environment_url"),
+    ("GDR_GITEA_CREDENTIAL_DIR", "gitea.credential_dir"),
+    ("GDR_GITEA_REQUIRED_LABEL", "gitea.required_label"),
     ("GDR_GITEA_RUNNER_NAME", "gitea.runner_name"),
     ("GDR_IDENTITY_TRUST_DOMAIN", "identity.trust_domain"),
     ("GDR_FACADE_CAPABILITY_KEY_FILE", "facade.capability_key_file"),
     ("GDR_FACADE_URL", "facade.url"),
     ("GDR_FACADE_UNIX_SOCKET", "facade.unix_socket"),
     ("GDR_FACADE_LISTEN", "facade.listen"),
+    ("GDR_FACADE_INSECURE_LISTEN", "facade.insecure_listen"),
     ("GDR_HTTP_LISTEN", "http.listen"),
 ];
 
@@ -227,17 +253,14 @@ impl Config {
         for (variable, setting) in OVERRIDES {
             if let Some(value) = env.get(*variable) {
                 let (section, key) = setting.split_once('.').unwrap_or((setting, ""));
-                let table = document
-                    .entry(section.to_owned())
-                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                let table = document.entry(section.to_owned()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
                 if let toml::Value::Table(table) = table {
                     table.insert(key.to_owned(), toml::Value::String(value.clone()));
                 }
             }
         }
-        let config: Config = toml::Value::Table(document)
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        let config: Config =
+            toml::Value::Table(document).try_into().map_err(|e: toml::de::Error| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
         config.validate()?;
         Ok(config)
     }
@@ -247,7 +270,15 @@ impl Config {
         if !(self.gitea.url.starts_with("http://") || self.gitea.url.starts_with("https://")) {
             return invalid("gitea.url", format!("{:?} must be an http(s) URL of the Gitea instance", self.gitea.url));
         }
-        if let Err(error) = crate::identity::validate_trust_domain(&self.identity.trust_domain) {
+        if let Some(url) = &self.gitea.environment_url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return invalid("gitea.environment_url", format!("{url:?} must be an http(s) URL of the Gitea instance as environments reach it"));
+        }
+        if let Err(message) = self.label_policy().validate() {
+            return invalid("gitea.required_label", message);
+        }
+        if let Err(error) = crate::assignment::identity::validate_trust_domain(&self.identity.trust_domain) {
             return invalid("identity.trust_domain", error.to_string());
         }
         if self.pools.is_empty() {
@@ -265,8 +296,28 @@ impl Config {
         if self.pools.iter().any(|p| p.placement == Placement::CONTAINER_DOCKER) && self.docker.is_none() {
             return invalid("docker", "pool container.docker needs a [docker] section with at least `image`".into());
         }
-        if self.facade.unix_socket.is_none() && self.facade.listen.is_none() {
-            return invalid("facade", "set facade.unix_socket, facade.listen, or both".into());
+        if self.pools.iter().any(|p| p.placement == Placement::VM_OPENSANDBOX) && self.opensandbox.is_none() {
+            return invalid("opensandbox", "pool vm.opensandbox needs an [opensandbox] section with url, api_key_file and image".into());
+        }
+        if let Some(opensandbox) = &self.opensandbox
+            && let Err((setting, message)) = opensandbox.validate()
+        {
+            return invalid(&setting, message);
+        }
+        if self.facade.unix_socket.is_none() && self.facade.listen.is_none() && self.facade.insecure_listen.is_none() {
+            return invalid("facade", "set facade.unix_socket, facade.listen (SPIFFE mTLS) or facade.insecure_listen (development mode)".into());
+        }
+        if let Some(listen) = &self.facade.insecure_listen {
+            let address: std::net::SocketAddr = match listen.parse() {
+                Ok(address) => address,
+                Err(_) => return invalid("facade.insecure_listen", format!("{listen:?} must be a literal ip:port, e.g. 10.0.0.5:9444")),
+            };
+            if let Err(message) = contract::facade::insecure_address(address) {
+                return invalid("facade.insecure_listen", message);
+            }
+        }
+        if let Err(message) = contract::facade::FacadeUrl::parse(&self.facade.url) {
+            return invalid("facade.url", message);
         }
         if self.facade.listen.is_some() && self.facade.spiffe_endpoint_socket.is_none() {
             return invalid("facade.spiffe_endpoint_socket", "required with facade.listen (the mTLS listener needs the controller's SVID)".into());
@@ -280,18 +331,34 @@ impl Config {
         if self.gitea.reconcile_interval < Duration::from_secs(1) {
             return invalid("gitea.reconcile_interval", "must be at least 1s".into());
         }
+        if !(Duration::from_secs(1)..=Duration::from_secs(300)).contains(&self.gitea.lease_ttl) {
+            return invalid("gitea.lease_ttl", format!("{:?} must be between 1s and 5m", self.gitea.lease_ttl));
+        }
         if let StoreConfig::Jetstream { url, .. } = &self.store
             && !url.starts_with("nats://")
             && !url.starts_with("tls://")
         {
-            return invalid("store.url", format!("{url:?} must be a nats:// or tls:// URL"));
+            return invalid("store.url", format!("{url:?} must be a nats:// or tls:// URL (several, comma-separated, for a cluster)"));
+        }
+        if let StoreConfig::Jetstream { replicas, .. } = &self.store
+            && ![1, 3, 5].contains(replicas)
+        {
+            return invalid("store.replicas", format!("{replicas} must be 1, 3 or 5 (a JetStream cluster of at least that many nodes)"));
         }
         Ok(())
     }
 
-    /// Total capacity = the number of FetchTask loops.
+    /// Total capacity of all pools.
     pub fn total_capacity(&self) -> usize {
         self.pools.iter().map(|p| p.capacity).sum()
+    }
+
+    pub fn label_policy(&self) -> crate::assignment::placement::LabelPolicy {
+        crate::assignment::placement::LabelPolicy { required: self.gitea.required_label.clone(), legacy: self.gitea.legacy_labels }
+    }
+
+    pub fn rules(&self) -> crate::assignment::Rules {
+        crate::assignment::Rules { trust_domain: self.identity.trust_domain.clone(), labels: self.label_policy() }
     }
 }
 
@@ -303,7 +370,7 @@ mod tests {
 [gitea]
 url = "https://gitea.example.com"
 registration_token_file = "/etc/gdr/registration-token"
-credential_file = "/var/lib/gdr/runner.json"
+credential_dir = "/var/lib/gdr/runners"
 
 [identity]
 trust_domain = "example.org"
@@ -358,6 +425,15 @@ image = "gitea-dynamic-runner/runner:latest"
             ("", "", &[("GDR_FACADE_CAPABILITY_KEY", "k")], "capability_key_file"),
             ("unix_socket = \"/run/gdr/facade.sock\"", "listen = \"0.0.0.0:9443\"", &[], "facade.spiffe_endpoint_socket"),
             ("[[pool]]", "[store]\nkind = \"jetstream\"\nurl = \"http://nats\"\n[[pool]]", &[], "store.url"),
+            ("[[pool]]", "[store]\nkind = \"jetstream\"\nurl = \"nats://a:4222\"\nreplicas = 2\n[[pool]]", &[], "store.replicas"),
+            ("url = \"https://gitea.example.com\"", "url = \"https://gitea.example.com\"\nlease_ttl = \"500ms\"", &[], "gitea.lease_ttl"),
+            ("url = \"https://gitea.example.com\"", "url = \"https://gitea.example.com\"\nrequired_label = \"docker\"", &[], "gitea.required_label"),
+            ("url = \"https://gitea.example.com\"", "url = \"https://gitea.example.com\"\nenvironment_url = \"gitea:3000\"", &[], "gitea.environment_url"),
+            ("unix_socket = \"/run/gdr/facade.sock\"", "insecure_listen = \"0.0.0.0:9444\"", &[], "facade.insecure_listen"),
+            ("unix_socket = \"/run/gdr/facade.sock\"", "insecure_listen = \"203.0.113.7:9444\"", &[], "facade.insecure_listen"),
+            ("unix_socket = \"/run/gdr/facade.sock\"", "insecure_listen = \"controller:9444\"", &[], "facade.insecure_listen"),
+            ("url = \"unix:///run/gdr/facade.sock\"", "url = \"http://198.51.100.1:9444\"", &[], "facade.url"),
+            ("url = \"unix:///run/gdr/facade.sock\"", "url = \"ftp://controller\"", &[], "facade.url"),
         ];
         for &(from, to, env, setting) in table {
             let text = if from.is_empty() { MINIMAL.to_owned() } else { MINIMAL.replacen(from, to, 1) };
@@ -376,11 +452,10 @@ image = "gitea-dynamic-runner/runner:latest"
     }
 
     #[test]
-    fn durations() {
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("5x").is_err());
+    fn the_default_labels_do_not_attract_self_hosted_jobs() {
+        let config = parse(MINIMAL, &[]).unwrap();
+        assert_eq!(config.label_policy(), crate::assignment::placement::LabelPolicy::default());
+        let seed = parse(&MINIMAL.replacen("[identity]", "required_label = \"self-hosted\"\nlegacy_labels = true\n\n[identity]", 1), &[]).unwrap();
+        assert_eq!(seed.label_policy(), crate::assignment::placement::LabelPolicy::seed_compatible());
     }
 }

@@ -2,37 +2,36 @@
 //! as assignments, creates one disposable environment per task, and is the only
 //! path from environments back to Gitea (see docs/architecture.md).
 //!
-//! Layout:
-//! - [`cli`]: the command line; [`telemetry`]: logging set-up.
-//! - [`placement`], [`identity`], [`envelope`], [`capability`]: pure derivations from
-//!   a Gitea task — where it runs, who it is, how it is stored, how it authenticates.
+//! Layout (each folder's `//!` says what it owns and what it may touch):
+//! - [`assignment`]: the assignment model — pure derivations from a Gitea task: where
+//!   it runs, who it is, how it is stored, how it authenticates.
+//! - [`gitea`]: the Gitea client on the Connect layer (registrations, calls).
+//! - [`scheduler`]: the FetchTask loops that turn tasks into persisted assignments, and
+//!   the keep-alive of assignments nobody reports on yet.
 //! - [`store`]: durable queue + records (JetStream or embedded redb).
-//! - [`gitea`]: the Gitea client on the Connect layer.
-//! - [`scheduler`]: the FetchTask loops that turn tasks into persisted assignments.
-//! - [`driver`], [`pool`], [`worker`]: environments per placement within capacity.
+//! - [`worker`]: environments per placement within capacity; the reconciler.
+//! - [`driver`]: one per placement, creating and deleting environments.
+//! - [`facade`]: the environments' only path back to Gitea (service and transports).
+//! - [`lifecycle`]: the one place where an assignment ends.
+//! - [`app`], [`cli`], [`config`], [`metrics`], [`telemetry`]: wiring and edges.
 
 #![forbid(unsafe_code)]
 
 pub mod app;
-pub mod capability;
+pub mod assignment;
 pub mod cli;
 pub mod config;
 pub mod driver;
-pub mod envelope;
 pub mod facade;
 pub mod failpoint;
 pub mod gitea;
-pub mod identity;
-pub mod keepalive;
+pub mod lifecycle;
 pub mod local;
 pub mod metrics;
-pub mod placement;
-pub mod pool;
+pub mod placements;
 pub mod scheduler;
 pub mod store;
 pub mod telemetry;
-#[cfg(feature = "test-driver")]
-pub mod test_driver;
 pub mod worker;
 
 use std::process::ExitCode;
@@ -53,15 +52,35 @@ pub fn run(cli: cli::Cli) -> anyhow::Result<ExitCode> {
             println!("protocols: runner.v1, ping.v1 (Connect over HTTP/1.1); facade.v1 (gRPC)");
             Ok(ExitCode::SUCCESS)
         }
+        cli::Command::Register { config } => {
+            let Some(config) = load_config(&config) else { return Ok(ExitCode::from(EXIT_USAGE)) };
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(app::register(&config))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        cli::Command::RunLocal(args) => {
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let code = runtime.block_on(async {
+                let (interrupts, received) = tokio::sync::mpsc::unbounded_channel();
+                let signals = tokio::spawn(forward_interrupts(interrupts));
+                let args = local::RunLocal {
+                    workflow: args.workflow,
+                    job: args.job,
+                    secrets: args.secrets,
+                    vars: args.vars,
+                    image: args.image,
+                    docker_socket: args.docker_socket,
+                    privileged: args.privileged,
+                    repository: args.repository,
+                };
+                let code = local::run(args, received).await;
+                signals.abort();
+                code
+            })?;
+            Ok(ExitCode::from(code))
+        }
         cli::Command::Run { config, components } => {
-            let env: std::collections::BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("GDR_")).collect();
-            let config = match config::Config::load(&config, &env) {
-                Ok(config) => config,
-                Err(error) => {
-                    eprintln!("controller: invalid configuration: {}", error_chain(&error));
-                    return Ok(ExitCode::from(EXIT_USAGE));
-                }
-            };
+            let Some(config) = load_config(&config) else { return Ok(ExitCode::from(EXIT_USAGE)) };
             let components = match app::Components::parse(&components) {
                 Ok(components) => components,
                 Err(message) => {
@@ -78,6 +97,35 @@ pub fn run(cli: cli::Cli) -> anyhow::Result<ExitCode> {
                 outcome
             })?;
             Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// The configuration with GDR_* overrides, or `None` after printing what is wrong.
+fn load_config(path: &std::path::Path) -> Option<config::Config> {
+    let env: std::collections::BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("GDR_")).collect();
+    match config::Config::load(path, &env) {
+        Ok(config) => Some(config),
+        Err(error) => {
+            eprintln!("controller: invalid configuration: {}", error_chain(&error));
+            None
+        }
+    }
+}
+
+/// Every SIGINT and SIGTERM, as a message (run-local decides what each means).
+async fn forward_interrupts(interrupts: tokio::sync::mpsc::UnboundedSender<()>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        if interrupts.send(()).is_err() {
+            return;
         }
     }
 }

@@ -124,9 +124,7 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, shu
                 let metrics = Arc::clone(&metrics);
                 async move { Ok::<_, Infallible>(answer(request.uri().path(), &metrics)) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
+            let _ = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
         });
         while connections.try_join_next().is_some() {}
     }
@@ -139,7 +137,7 @@ fn answer(path: &str, metrics: &Metrics) -> http::Response<Full<Bytes>> {
         "/metrics" => (200, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
         "/healthz" => (200, "text/plain", "ok\n".to_owned()),
         "/readyz" if metrics.is_ready() => (200, "text/plain", "ready\n".to_owned()),
-        "/readyz" => (503, "text/plain", "not ready: not yet registered with Gitea\n".to_owned()),
+        "/readyz" => (503, "text/plain", "not ready: not yet registered with Gitea, or the store cannot take a write (the log says which)\n".to_owned()),
         _ => (404, "text/plain", "not found: try /metrics, /healthz or /readyz\n".to_owned()),
     };
     let mut response = http::Response::new(Full::new(Bytes::from(body)));
@@ -160,7 +158,13 @@ mod tests {
         metrics.pool_in_use.get_or_create(&PlacementLabel { placement: "container.docker".into() }).set(1);
         metrics.job_startup.observe(1.5);
         let text = metrics.encode();
-        for name in ["gdr_queue_depth{placement=\"container.docker\"} 3", "gdr_errors_total{kind=\"unavailable\"} 1", "gdr_job_startup_seconds_count 1", "gdr_claim_latency_seconds", "gdr_pool_in_use"] {
+        for name in [
+            "gdr_queue_depth{placement=\"container.docker\"} 3",
+            "gdr_errors_total{kind=\"unavailable\"} 1",
+            "gdr_job_startup_seconds_count 1",
+            "gdr_claim_latency_seconds",
+            "gdr_pool_in_use",
+        ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
     }

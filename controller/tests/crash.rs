@@ -7,8 +7,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "common/nats.rs"]
-mod nats;
+use testkit::nats;
 
 use std::{
     os::unix::fs::PermissionsExt,
@@ -47,7 +46,7 @@ fn setup(gitea: &FakeGitea, nats: &nats::NatsServer) -> Setup {
             r#"[gitea]
 url = "{gitea}"
 registration_token_file = "{dir}/registration-token"
-credential_file = "{dir}/runner.json"
+credential_dir = "{dir}/runners"
 fetch_interval = "100ms"
 
 [identity]
@@ -206,7 +205,7 @@ async fn kill_between_persist_and_environment_creation() {
     let gitea = FakeGitea::start().await;
     // One job before the crash, so no other task is between fetch and persist when the
     // process dies (that window is the next test's); two more after the restart.
-    gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+    gitea.add_job(Job::new(&["disposable", "container", "docker"]));
     let setup = setup(&gitea, &nats);
     let mut crashed = controller(&setup, Some("before-create"));
     let status = wait_for_exit(&mut crashed, Duration::from_secs(60));
@@ -214,7 +213,7 @@ async fn kill_between_persist_and_environment_creation() {
     assert!(environments(&setup.envs).is_empty(), "an environment was created before the crash point");
     assert_eq!(gitea.with(|s| s.tasks.len()), 1);
     for _ in 0..2 {
-        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+        gitea.add_job(Job::new(&["disposable", "container", "docker"]));
     }
 
     let _running = Stop(controller(&setup, None));
@@ -233,7 +232,7 @@ async fn kill_right_after_a_claim() {
     let nats = nats::NatsServer::start();
     let gitea = FakeGitea::start().await;
     for _ in 0..2 {
-        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+        gitea.add_job(Job::new(&["disposable", "container", "docker"]));
     }
     let setup = setup(&gitea, &nats);
     let mut crashing = controller(&setup, Some("after-claim"));
@@ -272,7 +271,7 @@ async fn kill_between_fetch_and_persist() {
     let nats = nats::NatsServer::start();
     let gitea = FakeGitea::start().await;
     for _ in 0..3 {
-        gitea.add_job(Job::new(&["self-hosted", "container", "docker"]));
+        gitea.add_job(Job::new(&["disposable", "container", "docker"]));
     }
     let setup = setup(&gitea, &nats);
     let mut crashed = controller(&setup, Some("after-fetch"));

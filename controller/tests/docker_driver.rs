@@ -6,102 +6,24 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::{
-    collections::BTreeMap,
-    path::Path,
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+mod common;
 
+use std::{collections::BTreeMap, process::Command};
+
+use common::dockerd::{Dockerd, dockerd, import_image};
 use controller::{
-    driver::{self, Driver, EnvironmentSpec, Phase, docker::{DockerConfig, DockerDriver}},
-    placement::Placement,
+    assignment::Placement,
+    driver::{
+        self, Driver, EnvironmentSpec, Phase,
+        docker::{DockerConfig, DockerDriver},
+    },
 };
-
-struct Dockerd {
-    child: Child,
-    socket: std::path::PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Dockerd {
-    fn drop(&mut self) {
-        let _ = nix_term(self.child.id());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if self.child.try_wait().unwrap().is_some() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn nix_term(pid: u32) -> std::io::Result<std::process::ExitStatus> {
-    Command::new("kill").arg("-TERM").arg(pid.to_string()).status()
-}
-
-fn dockerd() -> Dockerd {
-    let dir = tempfile::Builder::new().prefix("gdr-dockerd-").tempdir_in("/tmp").unwrap();
-    let d = dir.path();
-    let socket = d.join("docker.sock");
-    let child = Command::new("unshare")
-        .args(["--net", "dockerd"])
-        .arg(format!("--host=unix://{}", socket.display()))
-        .arg(format!("--data-root={}", d.join("data").display()))
-        .arg(format!("--exec-root={}", d.join("exec").display()))
-        .arg(format!("--pidfile={}", d.join("docker.pid").display()))
-        .args(["--storage-driver=vfs", "--exec-opt=native.cgroupdriver=cgroupfs"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(d.join("dockerd.log")).unwrap())
-        .spawn()
-        .expect("dockerd is not installed: run scripts/install-test-peers");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !ping(&socket) {
-        assert!(Instant::now() < deadline, "dockerd did not start: {}", std::fs::read_to_string(d.join("dockerd.log")).unwrap_or_default());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Dockerd { child, socket, _dir: dir }
-}
-
-fn ping(socket: &Path) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::os::unix::net::UnixStream::connect(socket) else { return false };
-    let _ = stream.write_all(b"GET /_ping HTTP/1.0\r\n\r\n");
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200")
-}
-
-/// A busybox image whose ENTRYPOINT stands in for the supervisor (sleeps).
-fn import_image(docker: &Dockerd) {
-    let dir = tempfile::tempdir().unwrap();
-    let rootfs = dir.path().join("rootfs");
-    std::fs::create_dir_all(rootfs.join("bin")).unwrap();
-    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("busybox-static is not installed: run scripts/install-test-peers");
-    for applet in ["sh", "sleep"] {
-        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
-    }
-    let mut tar = Command::new("tar").arg("-C").arg(&rootfs).args(["-c", "."]).stdout(Stdio::piped()).spawn().unwrap();
-    let status = Command::new("docker")
-        .env("DOCKER_HOST", format!("unix://{}", docker.socket.display()))
-        .args(["import", "--change", r#"ENTRYPOINT ["/bin/sleep", "3600"]"#, "-", "gdr-runner:test"])
-        .stdin(tar.stdout.take().unwrap())
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    assert!(tar.wait().unwrap().success());
-}
 
 fn spec(assignment_id: &str, facade_socket: &str) -> EnvironmentSpec {
     EnvironmentSpec {
         assignment_id: assignment_id.to_owned(),
-        name: driver::environment_name(assignment_id),
-        labels: driver::labels_for(assignment_id, Placement::CONTAINER_DOCKER),
+        name: driver::environment_name("test", assignment_id),
+        labels: driver::labels_for("test", assignment_id, Placement::CONTAINER_DOCKER),
         env: BTreeMap::from([
             ("CI_ASSIGNMENT_ID".to_owned(), assignment_id.to_owned()),
             ("CI_RUNNER_CAPABILITY".to_owned(), "v1.capability".to_owned()),
@@ -111,18 +33,15 @@ fn spec(assignment_id: &str, facade_socket: &str) -> EnvironmentSpec {
 }
 
 fn inspect(docker: &Dockerd, name: &str, format: &str) -> String {
-    let output = Command::new("docker")
-        .env("DOCKER_HOST", format!("unix://{}", docker.socket.display()))
-        .args(["inspect", "--format", format, name])
-        .output()
-        .unwrap();
+    let output =
+        Command::new("docker").env("DOCKER_HOST", format!("unix://{}", docker.socket.display())).args(["inspect", "--format", format, name]).output().unwrap();
     String::from_utf8_lossy(&output.stdout).trim().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_container_per_assignment_idempotent_listed_and_removed() {
     let docker = dockerd();
-    import_image(&docker);
+    import_image(&docker, "gdr-runner:test");
     let facade_dir = tempfile::tempdir().unwrap();
     let facade_socket = facade_dir.path().join("facade.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&facade_socket).unwrap();
@@ -151,10 +70,10 @@ async fn one_container_per_assignment_idempotent_listed_and_removed() {
     listed.sort();
     assert_eq!(listed, ["gitea-task-7", "gitea-task-8"], "exactly one container per assignment");
 
-    driver.mark_terminal(name).await.unwrap();
+    driver.stop(name).await.unwrap();
     assert_eq!(driver.get(name).await.unwrap(), None, "a terminal container was not removed");
     driver.delete(name).await.unwrap();
-    driver.delete(&driver::environment_name("gitea-task-8")).await.unwrap();
+    driver.delete(&driver::environment_name("test", "gitea-task-8")).await.unwrap();
     assert!(driver.list(&selector).await.unwrap().is_empty());
 }
 

@@ -8,11 +8,12 @@
 use std::{sync::Arc, time::Duration};
 
 use controller::{
-    capability::CapabilityKey,
-    envelope::Assignment,
+    assignment::{Assignment, Rules, capability::CapabilityKey, placement::LabelPolicy},
     facade::{self, Facade},
-    gitea::Gitea,
-    store::{Record, State, Store, embedded::Embedded, now_ms},
+    gitea::registrations::Registrations,
+    lifecycle::Lifecycle,
+    placements::Placements,
+    store::{Record, Store, embedded::Embedded, now_ms},
 };
 use proto::facade::v1::{AssignmentCredential, ClaimRequest, facade_service_client::FacadeServiceClient};
 use testkit::workload::{Ca, FakeWorkloadApi, Offer};
@@ -85,24 +86,15 @@ async fn only_the_jobs_own_svid_may_claim() {
     intruder_api.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/other-repo/build".into()]));
 
     let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap());
-    let assignment = Assignment::from_task(task(), "example.org").unwrap();
+    let rules = Rules { trust_domain: "example.org".into(), labels: LabelPolicy::seed_compatible() };
+    let assignment = Assignment::from_task(task(), &rules).unwrap();
     assert_eq!(assignment.identity.spiffe_id, JOB_ID);
-    store
-        .persist(&Record {
-            assignment_id: assignment.id.clone(),
-            placement: assignment.placement.to_string(),
-            state: State::Pending,
-            envelope: assignment.encode(),
-            environment: None,
-            updated_at_ms: now_ms(),
-            created_at_ms: now_ms(),
-        })
-        .await
-        .unwrap();
+    store.persist(&Record::pending(&assignment.id, assignment.placement, "", assignment.encode(), now_ms())).await.unwrap();
     let key = Arc::new(CapabilityKey::from_bytes(KEY).unwrap());
     let capability = key.issue(&assignment.id, u64::MAX / 2);
-    let gitea = Gitea::new("http://127.0.0.1:9", &dir.path().join("runner.json")).unwrap();
-    let facade = Arc::new(Facade::new(Arc::clone(&store), gitea, key, "example.org".into(), Default::default(), Default::default()));
+    let registrations = Registrations::default();
+    let lifecycle = Lifecycle::new(Arc::clone(&store), Placements::new(), registrations.clone());
+    let facade = Arc::new(Facade::new(Arc::clone(&store), registrations, lifecycle, key, rules));
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
@@ -110,10 +102,8 @@ async fn only_the_jobs_own_svid_may_claim() {
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(facade::serve_mtls(facade, listener, tls, shutdown.clone()));
 
-    let request = ClaimRequest {
-        credential: Some(AssignmentCredential { assignment_id: assignment.id.clone(), capability }),
-        holder: "holder-0123456789abcdef".into(),
-    };
+    let request =
+        ClaimRequest { credential: Some(AssignmentCredential { assignment_id: assignment.id.clone(), capability }), holder: "holder-0123456789abcdef".into() };
     let mut intruder = client(source(&intruder_api).await, address).await.unwrap();
     let status = claim_retrying(&mut intruder, &request).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status}");

@@ -1,6 +1,10 @@
-//! The Gitea client and the scheduler against the fake Gitea: registration and the
-//! stored credential, Declare, tasks_version, tasks persisted as assignments, tasks
-//! that break the placement rules failed in Gitea at once with the reason in the log.
+//! The scheduler and the registrations against the fake Gitea, for what needs fault
+//! injection or exact counts: one registration per placement with its own labels and
+//! credential, reused on later starts; clear errors for a wrong token and an unknown
+//! runner; an outage ridden out; tasks_version honoured (Gitea is asked to pick a task
+//! only when something changed); a full placement leaves its jobs waiting in Gitea;
+//! tasks that cannot run here failed at once with the reason. The same behaviours
+//! against the real Gitea are in tests/e2e.
 
 #![allow(clippy::unwrap_used)]
 
@@ -10,41 +14,63 @@ use std::{sync::Arc, time::Duration};
 
 use common::fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN};
 use controller::{
-    envelope::Assignment,
-    gitea::{self, GiteaError},
-    placement::{self, Placement},
+    assignment::{
+        Assignment, Placement, Rules,
+        placement::{LabelPolicy, declared_labels},
+    },
+    gitea::{
+        self, GiteaError,
+        registrations::{RegistrationSettings, Registrations},
+    },
+    lifecycle::Lifecycle,
+    placements::Placements,
     scheduler::{Outcome, Scheduler, SchedulerConfig},
     store::{State, Store, embedded::Embedded},
 };
 use proto::runner::v1::Result as TaskResult;
 use tokio_util::sync::CancellationToken;
 
-fn enabled() -> Vec<Placement> {
-    vec!["container.docker".parse().unwrap(), "container.kubernetes".parse().unwrap()]
+const DOCKER: Placement = Placement::CONTAINER_DOCKER;
+const KUBERNETES: Placement = Placement::CONTAINER_KUBERNETES;
+
+fn settings(fake: &FakeGitea, dir: &std::path::Path) -> RegistrationSettings {
+    let token_file = dir.join("registration-token");
+    std::fs::write(&token_file, format!("{REGISTRATION_TOKEN}\n")).unwrap();
+    RegistrationSettings {
+        url: fake.url(),
+        credential_dir: dir.join("runners"),
+        registration_token_file: Some(token_file),
+        runner_name: "ctl".into(),
+        labels: LabelPolicy::default(),
+    }
 }
 
-fn labels() -> Vec<String> {
-    placement::declared_labels(&enabled())
+fn rules() -> Rules {
+    Rules { trust_domain: "example.org".into(), labels: LabelPolicy::default() }
 }
 
 #[tokio::test]
-async fn registers_once_then_reuses_the_stored_credential() {
+async fn one_registration_per_placement_registered_once_then_reused() {
     let fake = FakeGitea::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let token_file = dir.path().join("registration-token");
-    std::fs::write(&token_file, format!("{REGISTRATION_TOKEN}\n")).unwrap();
-    let credential_file = dir.path().join("state/runner.json");
-
-    let (_, first) = gitea::connect(&fake.url(), &credential_file, Some(&token_file), "ctl", &labels()).await.unwrap();
+    let settings = settings(&fake, dir.path());
+    Registrations::open(&settings, &[DOCKER, KUBERNETES]).await.unwrap();
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(&credential_file).unwrap().permissions().mode() & 0o777, 0o600);
-    let (_, second) = gitea::connect(&fake.url(), &credential_file, Some(&token_file), "ctl", &labels()).await.unwrap();
+    for placement in [DOCKER, KUBERNETES] {
+        let file = settings.credential_file(placement);
+        assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600, "{}", file.display());
+    }
+    let first: Vec<_> = [DOCKER, KUBERNETES].map(|p| gitea::Credential::load(&settings.credential_file(p)).unwrap().unwrap()).into();
+    Registrations::open(&settings, &[DOCKER, KUBERNETES]).await.unwrap();
+    let second: Vec<_> = [DOCKER, KUBERNETES].map(|p| gitea::Credential::load(&settings.credential_file(p)).unwrap().unwrap()).into();
     assert_eq!(first, second);
+    assert_eq!(first[0].name, "ctl-container.docker");
     fake.with(|s| {
-        assert_eq!(s.registrations, 1, "the second start registered again");
-        assert_eq!(s.declares, 2);
+        assert_eq!(s.registrations, 2, "a later start registered again");
+        assert_eq!(s.declares, 4);
         assert_eq!(s.capabilities, ["cancelling"]);
-        assert_eq!(s.runners[&first.uuid].1, labels());
+        assert_eq!(s.runners[&first[0].uuid].1, declared_labels(DOCKER, &LabelPolicy::default()));
+        assert_eq!(s.runners[&first[1].uuid].1, ["container", "disposable", "kubernetes"]);
     });
 }
 
@@ -52,35 +78,48 @@ async fn registers_once_then_reuses_the_stored_credential() {
 async fn a_wrong_registration_token_and_an_unknown_runner_are_clear_errors() {
     let fake = FakeGitea::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let token_file = dir.path().join("registration-token");
-    std::fs::write(&token_file, "wrong").unwrap();
-    let credential_file = dir.path().join("runner.json");
-    let error = gitea::connect(&fake.url(), &credential_file, Some(&token_file), "ctl", &labels()).await.unwrap_err();
+    let mut settings = settings(&fake, dir.path());
+    let wrong = dir.path().join("wrong-token");
+    std::fs::write(&wrong, "wrong").unwrap();
+    settings.registration_token_file = Some(wrong);
+    let error = Registrations::open(&settings, &[DOCKER]).await.unwrap_err();
     assert!(matches!(error, GiteaError::RegistrationRefused(_)), "{error}");
     assert!(error.to_string().contains("registration token"), "{error}");
 
+    let file = settings.credential_file(DOCKER);
     let stale = gitea::Credential { id: 1, uuid: "gone".into(), name: "ctl".into(), token: "t".into(), address: fake.url() };
-    stale.store(&credential_file).unwrap();
-    let error = gitea::connect(&fake.url(), &credential_file, Some(&token_file), "ctl", &labels()).await.unwrap_err();
+    stale.store(&file).unwrap();
+    let error = Registrations::open(&settings, &[DOCKER]).await.unwrap_err();
     assert!(matches!(error, GiteaError::Unregistered { .. }), "{error}");
-    assert!(error.to_string().contains(&credential_file.display().to_string()), "{error}");
+    assert!(error.to_string().contains(&file.display().to_string()), "{error}");
     assert!(error.to_string().contains("unregistered runner"), "{error}");
 }
 
-async fn start(fake: &FakeGitea, dir: &std::path::Path, loops: usize) -> (Arc<Scheduler>, Arc<dyn Store>, tokio::sync::mpsc::UnboundedReceiver<Outcome>) {
-    let token_file = dir.join("registration-token");
-    std::fs::write(&token_file, REGISTRATION_TOKEN).unwrap();
-    let (client, _) = gitea::connect(&fake.url(), &dir.join("runner.json"), Some(&token_file), "ctl", &labels()).await.unwrap();
+struct Started {
+    store: Arc<dyn Store>,
+    placements: Placements,
+    lifecycle: Lifecycle,
+    outcomes: tokio::sync::mpsc::UnboundedReceiver<Outcome>,
+    shutdown: CancellationToken,
+    running: tokio::task::JoinHandle<Result<(), GiteaError>>,
+}
+
+/// A scheduler for container.docker (capacity given) beside an enabled container.kubernetes.
+async fn start(fake: &FakeGitea, dir: &std::path::Path, capacity: usize) -> Started {
+    let registrations = Registrations::open(&settings(fake, dir), &[DOCKER]).await.unwrap();
     let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.join("store.redb")).unwrap());
+    let mut placements = Placements::new();
+    placements.add(DOCKER, capacity, None);
+    placements.add(KUBERNETES, 10, None);
     let (observer, outcomes) = tokio::sync::mpsc::unbounded_channel();
-    let config = SchedulerConfig {
-        trust_domain: "example.org".into(),
-        enabled: enabled(),
-        loops,
-        fetch_interval: Duration::from_millis(50),
-        fetch_timeout: Duration::from_secs(5),
-    };
-    (Arc::new(Scheduler::new(client, Arc::clone(&store), config).with_observer(observer)), store, outcomes)
+    let config = SchedulerConfig { rules: rules(), fetch_interval: Duration::from_millis(50), fetch_timeout: Duration::from_secs(5), max_loops: 8 };
+    let scheduler = Arc::new(
+        Scheduler::new(DOCKER, registrations.fetcher(DOCKER).unwrap().clone(), Arc::clone(&store), placements.clone(), config).with_observer(observer),
+    );
+    let lifecycle = Lifecycle::new(Arc::clone(&store), placements.clone(), registrations);
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(Arc::clone(&scheduler).run(shutdown.clone()));
+    Started { store, placements, lifecycle, outcomes, shutdown, running }
 }
 
 async fn collect(outcomes: &mut tokio::sync::mpsc::UnboundedReceiver<Outcome>, n: usize) -> Vec<Outcome> {
@@ -97,62 +136,161 @@ async fn tasks_become_persisted_assignments_and_bad_ones_fail_at_once() {
     let fake = FakeGitea::start().await;
     let dir = tempfile::tempdir().unwrap();
     for _ in 0..3 {
-        fake.add_job(Job::new(&["self-hosted", "container", "docker"]));
+        fake.add_job(Job::new(&["disposable", "container", "docker"]));
     }
-    fake.add_job(Job::new(&["self-hosted", "pod", "docker"])); // legacy mixed with a driver
-    fake.add_job(Job::new(&["self-hosted", "container"])); // kubernetes by default
-    let (scheduler, store, mut outcomes) = start(&fake, dir.path(), 2).await;
-    let shutdown = CancellationToken::new();
-    let running = tokio::spawn(Arc::clone(&scheduler).run(shutdown.clone()));
-    let seen = collect(&mut outcomes, 5).await;
-    shutdown.cancel();
-    running.await.unwrap().unwrap();
+    fake.add_job(Job::new(&["disposable", "docker"])); // a driver without a class
+    fake.add_job(Job::new(&["disposable", "container"])); // kubernetes by default
+    let mut started = start(&fake, dir.path(), 10).await;
+    let seen = collect(&mut started.outcomes, 5).await;
+    started.shutdown.cancel();
+    started.running.await.unwrap().unwrap();
 
-    let rejected: Vec<_> = seen.iter().filter_map(|o| match o { Outcome::Rejected { task_id, reason } => Some((*task_id, reason.clone())), _ => None }).collect();
+    let rejected: Vec<_> = seen
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Rejected { task_id, reason } => Some((*task_id, reason.clone())),
+            _ => None,
+        })
+        .collect();
     assert_eq!(rejected.len(), 1, "{seen:?}");
     let (bad_task, reason) = &rejected[0];
-    assert!(reason.contains("pod"), "{reason}");
+    assert!(reason.contains("without a workload class"), "{reason}");
     fake.with(|s| {
         let record = &s.tasks[bad_task];
         assert_eq!(record.final_result, Some(TaskResult::Failure as i32));
+        assert!(record.stopped_at > 0, "the final state carries stopped_at");
         assert!(record.sealed);
-        assert!(record.log.iter().any(|l| l.contains("this job cannot run") && l.contains("pod")), "{:?}", record.log);
+        assert_eq!(record.log.last().unwrap(), &format!("gitea-dynamic-runner: this job cannot run: {reason}"));
         assert!(s.waiting.is_empty());
         assert_eq!(s.tasks.len(), 5, "each job handed out exactly once");
     });
 
-    let records = store.list().await.unwrap();
+    let records = started.store.list().await.unwrap();
     assert_eq!(records.len(), 4);
-    let mut placements: Vec<_> = records.iter().map(|r| r.value.placement.clone()).collect();
+    let mut placements: Vec<_> = records.iter().map(|r| r.value.placement).collect();
     placements.sort();
-    assert_eq!(placements, ["container.docker", "container.docker", "container.docker", "container.kubernetes"]);
+    assert_eq!(placements, [KUBERNETES, DOCKER, DOCKER, DOCKER]);
+    let runner = fake.with(|s| s.runners.keys().next().unwrap().clone());
     for record in &records {
         assert_eq!(record.value.state, State::Pending);
-        let assignment = Assignment::decode(&record.value.envelope, "example.org").unwrap();
+        assert_eq!(record.value.runner, runner, "the fetching runner is recorded");
+        let assignment = Assignment::decode(&record.value.envelope, &rules()).unwrap();
         assert_eq!(assignment.id, record.value.assignment_id);
         assert_eq!(assignment.identity.spiffe_id, "spiffe://example.org/ci/owner/repo/build");
         assert!(fake.with(|s| s.tasks.contains_key(&assignment.task.id)));
     }
+    // The kubernetes task fetched by the docker registration counts against kubernetes.
+    assert_eq!(started.placements.get(KUBERNETES).unwrap().admission.usage(), (1, 0));
+    assert_eq!(started.placements.get(DOCKER).unwrap().admission.usage(), (3, 0));
 }
 
 #[tokio::test]
 async fn an_outage_of_gitea_is_ridden_out_and_tasks_version_is_honoured() {
     let fake = FakeGitea::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (scheduler, store, mut outcomes) = start(&fake, dir.path(), 1).await;
     fake.with(|s| s.fail_fetches = 3);
-    let shutdown = CancellationToken::new();
-    let running = tokio::spawn(Arc::clone(&scheduler).run(shutdown.clone()));
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    fake.add_job(Job::new(&["self-hosted", "container", "docker"]));
-    collect(&mut outcomes, 1).await;
-    // Idle polling with the latest tasks_version: Gitea is not asked to pick a task.
-    let before = fake.with(|s| s.fetches);
+    let mut started = start(&fake, dir.path(), 4).await;
+    // Idle polls with the latest tasks_version: Gitea is asked, but not to pick a task.
+    let polled = async {
+        while fake.with(|s| s.fetches) < 8 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), polled).await.expect("the loops stopped polling through the outage");
+    assert_eq!(fake.with(|s| s.fail_fetches), 0, "the outage was not ridden out");
+    let picks_while_idle = fake.with(|s| s.picks);
+    assert!(picks_while_idle <= 4, "idle polls with the latest tasks_version asked Gitea to pick: {picks_while_idle}");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let after = fake.with(|s| s.fetches);
-    shutdown.cancel();
-    running.await.unwrap().unwrap();
-    assert!(after > before, "the loop stopped polling");
-    assert_eq!(store.list().await.unwrap().len(), 1);
-    assert_eq!(fake.with(|s| s.fail_fetches), 0);
+    assert_eq!(fake.with(|s| s.picks), picks_while_idle, "polls with the latest tasks_version must not pick");
+    fake.add_job(Job::new(&["disposable", "container", "docker"]));
+    collect(&mut started.outcomes, 1).await;
+    assert!(fake.with(|s| s.picks) > picks_while_idle, "a new job (version bumped) was not picked");
+    started.shutdown.cancel();
+    started.running.await.unwrap().unwrap();
+    assert_eq!(started.store.list().await.unwrap().len(), 1);
+}
+
+/// Capacity 1: the second job stays waiting in Gitea (not fetched, not in our queue)
+/// until the first assignment ends; then it is fetched at once.
+#[tokio::test]
+async fn a_full_placement_leaves_its_jobs_waiting_in_gitea() {
+    let fake = FakeGitea::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    fake.add_job(Job::new(&["disposable", "container", "docker"]));
+    fake.add_job(Job::new(&["disposable", "container", "docker"]));
+    let mut started = start(&fake, dir.path(), 1).await;
+    let first = match collect(&mut started.outcomes, 1).await.remove(0) {
+        Outcome::Persisted { assignment_id, .. } => assignment_id,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    fake.with(|s| {
+        assert_eq!(s.tasks.len(), 1, "a task was fetched beyond capacity");
+        assert_eq!(s.waiting.len(), 1, "the second job must wait in Gitea");
+    });
+    assert!(started.outcomes.try_recv().is_err());
+    let ended = std::time::Instant::now();
+    started.lifecycle.finish(&first, TaskResult::Success as i32).await.unwrap();
+    let second = collect(&mut started.outcomes, 1).await;
+    assert!(matches!(second[0], Outcome::Persisted { .. }), "{second:?}");
+    assert!(ended.elapsed() < Duration::from_secs(2), "the freed slot was not used at once: {:?}", ended.elapsed());
+    fake.with(|s| assert!(s.waiting.is_empty() && s.tasks.len() == 2));
+    started.shutdown.cancel();
+    started.running.await.unwrap().unwrap();
+}
+
+/// Two schedulers of one registration (as in two controller replicas, each with its own
+/// admission) share one store: only the lease holder fetches, so together they never take
+/// more than the capacity from Gitea; a clean stop hands over at once, a vanished holder
+/// after the lease's time-to-live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_schedulers_of_one_registration_take_turns() {
+    let fake = FakeGitea::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    for _ in 0..3 {
+        fake.add_job(Job::new(&["disposable", "container", "docker"]));
+    }
+    let registrations = Registrations::open(&settings(&fake, dir.path()), &[DOCKER]).await.unwrap();
+    let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap());
+    let replica = |lease_ttl: Duration| {
+        let mut placements = Placements::new();
+        placements.add(DOCKER, 1, None);
+        let (observer, outcomes) = tokio::sync::mpsc::unbounded_channel();
+        let config = SchedulerConfig { rules: rules(), fetch_interval: Duration::from_millis(50), fetch_timeout: Duration::from_secs(5), max_loops: 8 };
+        let scheduler = Arc::new(
+            Scheduler::new(DOCKER, registrations.fetcher(DOCKER).unwrap().clone(), Arc::clone(&store), placements.clone(), config)
+                .with_observer(observer)
+                .with_lease_ttl(lease_ttl),
+        );
+        let lifecycle = Lifecycle::new(Arc::clone(&store), placements, registrations.clone());
+        (scheduler, lifecycle, outcomes)
+    };
+    let unfinished = || fake.with(|s| s.tasks.values().filter(|t| t.final_result.is_none()).count());
+    let (first, first_lifecycle, mut first_outcomes) = replica(Duration::from_secs(2));
+    let (second, _, mut second_outcomes) = replica(Duration::from_secs(2));
+    let (stop_first, stop_second) = (CancellationToken::new(), CancellationToken::new());
+    let running_first = tokio::spawn(Arc::clone(&first).run(stop_first.clone()));
+    let assignment = match collect(&mut first_outcomes, 1).await.remove(0) {
+        Outcome::Persisted { assignment_id, .. } => assignment_id,
+        other => panic!("{other:?}"),
+    };
+    let running_second = tokio::spawn(Arc::clone(&second).run(stop_second.clone()));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(fake.with(|s| s.tasks.len()), 1, "the standby fetched beyond the capacity of 1");
+    assert!(second_outcomes.try_recv().is_err());
+
+    // The leader stops cleanly with its assignment still live: the standby takes over at
+    // once, counts that assignment, and fetches only once it has ended.
+    stop_first.cancel();
+    running_first.await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(unfinished(), 1, "the new leader fetched while an assignment was live");
+    assert_eq!(fake.with(|s| s.tasks.len()), 1);
+    first_lifecycle.finish(&assignment, TaskResult::Success as i32).await.unwrap();
+    fake.with(|s| s.tasks.values_mut().for_each(|t| t.final_result = t.final_result.or(Some(TaskResult::Success as i32))));
+    let taken = collect(&mut second_outcomes, 1).await;
+    assert!(matches!(taken[0], Outcome::Persisted { .. }), "{taken:?}");
+    assert_eq!(unfinished(), 1);
+    stop_second.cancel();
+    running_second.await.unwrap().unwrap();
 }

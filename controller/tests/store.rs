@@ -8,20 +8,18 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "common/nats.rs"]
-mod nats;
+use testkit::nats;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use controller::store::{
-    Delivery, Record, State, Store, StoreError, embedded::Embedded, jetstream::JetStream,
-};
+use controller::assignment::Placement;
+use controller::store::{Delivery, Record, State, Store, StoreError, embedded::Embedded, jetstream::JetStream};
 
-const DOCKER: &str = "container.docker";
-const FIRECRACKER: &str = "vm.firecracker";
+const DOCKER: Placement = Placement::CONTAINER_DOCKER;
+const FIRECRACKER: Placement = Placement::VM_OPENSANDBOX;
 /// Long enough that a delivery that should not come would have come.
 const QUIET: Duration = Duration::from_millis(400);
 /// Long enough for anything that should come.
@@ -72,11 +70,7 @@ impl JetStreamBackend {
 #[async_trait]
 impl Backend for JetStreamBackend {
     async fn open(&self, ack_wait: Duration) -> Box<dyn Store> {
-        Box::new(
-            JetStream::connect(&self.server.url, "ci.assignments", "assignments", ack_wait)
-                .await
-                .expect("connect to JetStream"),
-        )
+        Box::new(JetStream::connect(&self.server.url, "ci.assignments", "assignments", ack_wait).await.expect("connect to JetStream"))
     }
 }
 
@@ -84,15 +78,18 @@ fn id(n: u64) -> String {
     format!("gitea-task-{n}")
 }
 
-fn record(n: u64, placement: &str) -> Record {
+fn record(n: u64, placement: Placement) -> Record {
     Record {
         assignment_id: id(n),
-        placement: placement.to_owned(),
+        placement,
         state: State::Pending,
         envelope: format!("envelope of task {n}").into_bytes(),
         environment: None,
         updated_at_ms: 1_700_000_000_000,
         created_at_ms: 1_700_000_000_000,
+        runner: String::new(),
+        phase: None,
+        timeline: Vec::new(),
     }
 }
 
@@ -115,6 +112,16 @@ async fn nothing(consumer: &mut Box<dyn controller::store::Consumer>, what: &str
         Ok(Some(d)) => panic!("{what}: unexpected delivery of {} (attempt {})", d.assignment_id(), d.attempt()),
         Err(e) => panic!("{what}: {e:?}"),
     }
+}
+
+/// Takes and acknowledges deliveries until none comes for a while.
+async fn drain(consumer: &mut Box<dyn controller::store::Consumer>) -> Vec<String> {
+    let mut got = Vec::new();
+    while let Ok(Some(delivery)) = consumer.next(QUIET).await {
+        got.push(delivery.assignment_id().to_owned());
+        delivery.ack().await.unwrap();
+    }
+    got
 }
 
 /// The cases, written once.
@@ -315,7 +322,7 @@ mod cases {
         }
         assert_eq!(store.queue_depth(DOCKER).await.unwrap(), 3);
         assert_eq!(store.queue_depth(FIRECRACKER).await.unwrap(), 2);
-        assert_eq!(store.queue_depth("container.podman").await.unwrap(), 0);
+        assert_eq!(store.queue_depth(Placement::CONTAINER_KUBERNETES).await.unwrap(), 0);
 
         let mut docker = store.consumer(DOCKER, 10).await.unwrap();
         assert_eq!(store.queue_depth(DOCKER).await.unwrap(), 3, "a consumer alone delivers nothing");
@@ -361,6 +368,45 @@ mod cases {
         }
         assert_eq!(listed[1].value, claimed(record(31, FIRECRACKER)));
     }
+
+    /// Two workers of one placement (two processes, on JetStream) share its queue: each
+    /// assignment goes to exactly one of them.
+    pub async fn two_consumers_share_one_queue(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        let mut a = store.consumer(DOCKER, 4).await.unwrap();
+        let mut b = store.consumer(DOCKER, 4).await.unwrap();
+        for n in 1..=20 {
+            store.persist(&record(n, DOCKER)).await.unwrap();
+        }
+        let (from_a, from_b) = tokio::join!(drain(&mut a), drain(&mut b));
+        let mut all: Vec<String> = from_a.iter().chain(&from_b).cloned().collect();
+        all.sort();
+        let mut expected: Vec<String> = (1..=20).map(id).collect();
+        expected.sort();
+        assert_eq!(all, expected, "each assignment delivered to exactly one consumer (a: {from_a:?}, b: {from_b:?})");
+    }
+
+    /// One holder at a time; renewals keep it; an expired or released lease goes to the
+    /// next holder.
+    pub async fn leases_have_one_holder(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        let ttl = Duration::from_secs(2);
+        assert!(store.lease("scheduler.container.docker", "a", ttl).await.unwrap());
+        assert!(!store.lease("scheduler.container.docker", "b", ttl).await.unwrap(), "two holders");
+        assert!(store.lease("scheduler.vm.opensandbox", "b", ttl).await.unwrap(), "leases are per name");
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert!(store.lease("scheduler.container.docker", "a", ttl).await.unwrap(), "renewal");
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert!(!store.lease("scheduler.container.docker", "b", ttl).await.unwrap(), "the renewal extended the lease");
+        tokio::time::sleep(Duration::from_millis(2200)).await;
+        assert!(store.lease("scheduler.container.docker", "b", ttl).await.unwrap(), "an expired lease is taken over");
+        assert!(!store.lease("scheduler.container.docker", "a", ttl).await.unwrap());
+        store.release_lease("scheduler.container.docker", "a").await.unwrap();
+        assert!(!store.lease("scheduler.container.docker", "a", ttl).await.unwrap(), "only the holder releases");
+        store.release_lease("scheduler.container.docker", "b").await.unwrap();
+        assert!(store.lease("scheduler.container.docker", "a", ttl).await.unwrap(), "a released lease is free at once");
+        store.healthy().await.unwrap();
+    }
 }
 
 /// One `#[tokio::test]` per case and backend: `embedded::<case>` and `jetstream::<case>`.
@@ -387,6 +433,7 @@ macro_rules! suite {
 
 suite!(
     persist_is_idempotent,
+    two_consumers_share_one_queue,
     records_compare_and_set,
     in_flight_limit,
     nak_delays_redelivery,
@@ -394,4 +441,5 @@ suite!(
     ack_is_durable_across_reopen,
     placements_are_separate_queues,
     list_returns_all_records,
+    leases_have_one_holder,
 );

@@ -5,8 +5,11 @@
 use std::{path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use contract::environment::{self as env, Contract};
 
-use crate::units::{parse_duration, parse_size};
+use contract::units::{parse_duration, parse_size};
+
+use crate::agent::identity::parse_workload_endpoint;
 
 #[derive(Debug, Parser)]
 #[command(name = "supervisor", version, about = "PID 1 of a Gitea dynamic runner job environment.")]
@@ -32,6 +35,16 @@ pub enum Command {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum RunnerHooks {
+    /// By the runner's version in its Declare: v3 and later run the hook.
+    Auto,
+    /// The runner runs `supervisor job-started` before the first step.
+    JobStarted,
+    /// No hook: hand the task over only once dockerd is ready.
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
 pub enum Bridge {
     /// dockerd's default bridge network (what jobs expect).
     Default,
@@ -39,8 +52,54 @@ pub enum Bridge {
     None,
 }
 
+/// Settings both `run` and `doctor` read: what the environment is (the contract's
+/// variables among them) and where its parts live, so that doctor checks exactly what
+/// the supervisor set up.
+#[derive(Debug, Clone, Args)]
+pub struct Environment {
+    /// Wait for the job's X.509 SVID before claiming. Default: on exactly when the job's
+    /// SPIFFE ID is given (CI_SPIFFE_ID).
+    #[arg(long, env = "SUPERVISOR_IDENTITY", action = clap::ArgAction::Set)]
+    pub identity: Option<bool>,
+    /// The exact SPIFFE ID the job's SVID must carry [contract: CI_SPIFFE_ID].
+    #[arg(long, value_parser = parse_spiffe_id)]
+    pub spiffe_id: Option<String>,
+    /// SPIFFE Workload API endpoint, unix:///path or tcp://ip:port [contract: SPIFFE_ENDPOINT_SOCKET].
+    #[arg(long, value_parser = parse_workload_endpoint)]
+    pub spiffe_endpoint: Option<String>,
+    /// Start a job-local dockerd (and its storage). Off for environments without Docker.
+    #[arg(long, env = "SUPERVISOR_DOCKER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub docker: bool,
+    /// dockerd's data root; backed by a loop-mounted ext4 image unless already a mountpoint.
+    #[arg(long, env = "SUPERVISOR_DOCKER_DATA_ROOT", default_value = "/var/lib/docker", value_parser = parse_absolute)]
+    pub docker_data_root: PathBuf,
+    #[arg(long, env = "SUPERVISOR_DOCKER_SOCKET", default_value = "/var/run/docker.sock", value_parser = parse_absolute)]
+    pub docker_socket: PathBuf,
+    /// File that receives dockerd's output.
+    #[arg(long, env = "SUPERVISOR_DOCKERD_LOG", default_value = "/var/log/supervisor/dockerd.log", value_parser = parse_absolute)]
+    pub dockerd_log: PathBuf,
+    /// Root of the cgroup hierarchy as seen by this environment.
+    #[arg(long, env = "SUPERVISOR_CGROUP_ROOT", default_value = "/sys/fs/cgroup", value_parser = parse_absolute)]
+    pub cgroup_root: PathBuf,
+    /// The controller's facade, unix:///path, https://host:port (SPIFFE mTLS) or
+    /// http://private-ip:port (development mode, capability only); when set, the agent
+    /// claims the task and serves it to the runner (COMMAND) on 127.0.0.1
+    /// [contract: CI_RUNNER_FACADE_URL].
+    #[arg(long)]
+    pub facade_url: Option<String>,
+    /// The assignment this environment runs, gitea-task-<id> [contract: CI_ASSIGNMENT_ID].
+    #[arg(long)]
+    pub assignment_id: Option<String>,
+    /// gitea-runner's working directory (its .runner file is written there).
+    #[arg(long, env = "SUPERVISOR_RUNNER_DIR", default_value = "/home/runner", value_parser = parse_absolute)]
+    pub runner_dir: PathBuf,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    pub environment: Environment,
+
     /// Uid the agent and the job run as.
     #[arg(long, env = "SUPERVISOR_RUNNER_UID", default_value_t = 2000, value_parser = parse_unprivileged_id)]
     pub runner_uid: u32,
@@ -55,23 +114,12 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_RUNNER_HOME", default_value = "/home/runner", value_parser = parse_absolute)]
     pub runner_home: PathBuf,
 
-    /// Start a job-local dockerd (and its storage). Off for environments without Docker.
-    #[arg(long, env = "SUPERVISOR_DOCKER", default_value_t = true, action = clap::ArgAction::Set)]
-    pub docker: bool,
     #[arg(long, env = "SUPERVISOR_DOCKERD", default_value = "dockerd")]
     pub dockerd: PathBuf,
-    /// dockerd's data root; backed by a loop-mounted ext4 image unless already a mountpoint.
-    #[arg(long, env = "SUPERVISOR_DOCKER_DATA_ROOT", default_value = "/var/lib/docker", value_parser = parse_absolute)]
-    pub docker_data_root: PathBuf,
     #[arg(long, env = "SUPERVISOR_DOCKER_EXEC_ROOT", default_value = "/var/run/docker", value_parser = parse_absolute)]
     pub docker_exec_root: PathBuf,
-    #[arg(long, env = "SUPERVISOR_DOCKER_SOCKET", default_value = "/var/run/docker.sock", value_parser = parse_absolute)]
-    pub docker_socket: PathBuf,
     #[arg(long, env = "SUPERVISOR_DOCKER_PIDFILE", default_value = "/var/run/docker.pid", value_parser = parse_absolute)]
     pub docker_pidfile: PathBuf,
-    /// File that receives dockerd's output.
-    #[arg(long, env = "SUPERVISOR_DOCKERD_LOG", default_value = "/var/log/supervisor/dockerd.log", value_parser = parse_absolute)]
-    pub dockerd_log: PathBuf,
     #[arg(long, env = "SUPERVISOR_DOCKER_BRIDGE", value_enum, default_value_t = Bridge::Default)]
     pub docker_bridge: Bridge,
     /// How long dockerd may take to answer GET /_ping.
@@ -87,38 +135,25 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_MKFS", default_value = "mkfs.ext4")]
     pub mkfs: PathBuf,
 
-    /// Root of the cgroup hierarchy as seen by this environment.
-    #[arg(long, env = "SUPERVISOR_CGROUP_ROOT", default_value = "/sys/fs/cgroup", value_parser = parse_absolute)]
-    pub cgroup_root: PathBuf,
-
-    /// Wait for the job's X.509 SVID before running the job. Off for hosts without SPIFFE.
-    #[arg(long, env = "SUPERVISOR_IDENTITY", default_value_t = true, action = clap::ArgAction::Set)]
-    pub identity: bool,
-    /// The exact SPIFFE ID the job's SVID must carry.
-    #[arg(long, env = "CI_SPIFFE_ID", value_parser = parse_spiffe_id)]
-    pub spiffe_id: Option<String>,
-    /// SPIFFE Workload API endpoint (unix:///path or tcp://ip:port).
-    #[arg(long, env = "SPIFFE_ENDPOINT_SOCKET", value_parser = parse_workload_endpoint)]
-    pub spiffe_endpoint: Option<String>,
     #[arg(long, env = "SUPERVISOR_IDENTITY_TIMEOUT", default_value = "180s", value_parser = parse_positive_duration)]
     pub identity_timeout: Duration,
 
-    /// The controller's facade (unix:///path or https://host:port). When set, the agent
-    /// claims the task and serves it to gitea-runner (COMMAND) on 127.0.0.1.
-    #[arg(long, env = "CI_RUNNER_FACADE_URL")]
-    pub facade_url: Option<String>,
-    /// The facade's SPIFFE ID, required for https facade URLs.
-    #[arg(long, env = "CI_RUNNER_FACADE_SPIFFE_ID")]
+    /// The facade's SPIFFE ID, required for https facade URLs [contract: CI_RUNNER_FACADE_SPIFFE_ID].
+    #[arg(long)]
     pub facade_spiffe_id: Option<String>,
-    /// The assignment this environment runs (gitea-task-<id>).
-    #[arg(long, env = "CI_ASSIGNMENT_ID")]
-    pub assignment_id: Option<String>,
-    /// The runner labels for the .runner file, as a JSON array of strings.
-    #[arg(long, env = "CI_RUNNER_LABELS_JSON", value_parser = parse_labels, default_value = "[\"self-hosted\"]")]
-    pub runner_labels_json: RunnerLabels,
-    /// gitea-runner's working directory (its .runner file is written there).
-    #[arg(long, env = "SUPERVISOR_RUNNER_DIR", default_value = "/home/runner", value_parser = parse_absolute)]
-    pub runner_dir: PathBuf,
+    /// The runner labels for the .runner file, a JSON array of strings
+    /// [contract: CI_RUNNER_LABELS_JSON; default ["self-hosted"]].
+    #[arg(long, value_parser = parse_labels)]
+    pub runner_labels_json: Option<RunnerLabels>,
+    /// Gitea as this environment reaches it: every request of the runner or its steps that
+    /// is not the runner protocol is passed there [contract: CI_GITEA_URL].
+    #[arg(long, value_parser = parse_http_url)]
+    pub gitea_url: Option<String>,
+    /// Whether the runner runs `supervisor job-started` before the first step (its
+    /// job-started hook). Without it the loopback holds the task back until dockerd is
+    /// ready. auto: gitea-runner v3 and later have hooks (the image configures this one).
+    #[arg(long, env = "SUPERVISOR_RUNNER_HOOKS", value_enum, default_value_t = RunnerHooks::Auto)]
+    pub runner_hooks: RunnerHooks,
 
     /// Time from SIGTERM to exit: runner, dockerd, unmount, loop detach, then SIGKILL.
     /// The default stays inside Kubernetes' 30 s termination grace period.
@@ -150,7 +185,91 @@ pub struct DoctorArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub paths: crate::doctor::Paths,
+    pub environment: Environment,
+    #[arg(long, default_value = "/dev/loop-control", value_parser = parse_absolute)]
+    pub loop_control: PathBuf,
+    /// The runner binary (on PATH or a path).
+    #[arg(long, default_value = "gitea-runner")]
+    pub runner: PathBuf,
+    #[arg(long, default_value = "/etc/gitea-runner/config.yaml")]
+    pub runner_config: PathBuf,
+}
+
+impl DoctorArgs {
+    /// What doctor checks, in its own terms.
+    pub fn settings(&self) -> crate::tools::doctor::Settings {
+        let e = &self.environment;
+        crate::tools::doctor::Settings {
+            identity: e.identity_on(),
+            spiffe_endpoint: e.spiffe_endpoint.clone(),
+            spiffe_id: e.spiffe_id.clone(),
+            docker: e.docker,
+            docker_data_root: e.docker_data_root.clone(),
+            docker_socket: e.docker_socket.clone(),
+            dockerd_log: e.dockerd_log.clone(),
+            loop_control: self.loop_control.clone(),
+            cgroup_root: e.cgroup_root.clone(),
+            facade_url: e.facade_url.clone(),
+            runner: self.runner.clone(),
+            runner_config: self.runner_config.clone(),
+            runner_dir: e.runner_dir.clone(),
+            assignment_id: e.assignment_id.clone(),
+        }
+    }
+}
+
+impl Environment {
+    /// Whether the agent waits for the job's SVID.
+    pub fn identity_on(&self) -> bool {
+        self.identity.unwrap_or(self.spiffe_id.is_some())
+    }
+
+    /// Fills the contract settings not given as flags (see [`apply_contract`]).
+    ///
+    /// # Errors
+    /// The first invalid value, naming its variable.
+    pub fn apply_contract(&mut self, contract: &Contract) -> Result<(), String> {
+        let text = |value: &str| Ok::<_, String>(value.to_owned());
+        fill(&mut self.spiffe_id, contract.spiffe_id.as_ref(), env::SPIFFE_ID, parse_spiffe_id)?;
+        fill(&mut self.spiffe_endpoint, contract.spiffe_endpoint_socket.as_ref(), env::SPIFFE_ENDPOINT_SOCKET, parse_workload_endpoint)?;
+        fill(&mut self.facade_url, contract.facade_url.as_ref(), env::FACADE_URL, text)?;
+        fill(&mut self.assignment_id, contract.assignment_id.as_ref(), env::ASSIGNMENT_ID, text)
+    }
+}
+
+fn fill<T>(slot: &mut Option<T>, value: Option<&String>, name: &str, parse: impl Fn(&str) -> Result<T, String>) -> Result<(), String> {
+    if slot.is_none()
+        && let Some(value) = value
+    {
+        *slot = Some(parse(value).map_err(|error| format!("{name}: {error}"))?);
+    }
+    Ok(())
+}
+
+impl RunArgs {
+    /// Whether the agent waits for the job's SVID.
+    pub fn identity_on(&self) -> bool {
+        self.environment.identity_on()
+    }
+
+    pub fn runner_labels(&self) -> Vec<String> {
+        self.runner_labels_json.clone().map_or_else(|| vec!["self-hosted".to_owned()], |labels| labels.0)
+    }
+}
+
+/// Fills every contract setting not given as a flag from the environment contract,
+/// where an empty variable is unset; each value is checked as its flag would be, and
+/// an error names the variable.
+///
+/// # Errors
+/// The first invalid value.
+pub fn apply_contract(args: &mut RunArgs, contract: &Contract) -> Result<(), String> {
+    let text = |value: &str| Ok::<_, String>(value.to_owned());
+    args.environment.apply_contract(contract)?;
+    fill(&mut args.facade_spiffe_id, contract.facade_spiffe_id.as_ref(), env::FACADE_SPIFFE_ID, text)?;
+    fill(&mut args.runner_labels_json, contract.runner_labels_json.as_ref(), env::RUNNER_LABELS_JSON, parse_labels)?;
+    fill(&mut args.gitea_url, contract.gitea_url.as_ref(), env::GITEA_URL, parse_http_url)?;
+    Ok(())
 }
 
 /// Settings that only make sense together, checked after parsing. The message names
@@ -159,41 +278,36 @@ pub struct DoctorArgs {
 /// # Errors
 /// The first inconsistency found.
 pub fn validate(args: &RunArgs) -> Result<(), String> {
-    if args.identity {
-        if args.spiffe_id.is_none() {
+    if args.identity_on() {
+        if args.environment.spiffe_id.is_none() {
             return Err("--spiffe-id (CI_SPIFFE_ID) is required while identity is on: set it to the job's \
-                        SPIFFE ID, or pass --identity=false (SUPERVISOR_IDENTITY=false) on hosts without SPIFFE"
+                        SPIFFE ID, or leave SUPERVISOR_IDENTITY unset (or false) on hosts without SPIFFE"
                 .into());
         }
-        if args.spiffe_endpoint.is_none() {
+        if args.environment.spiffe_endpoint.is_none() {
             return Err("--spiffe-endpoint (SPIFFE_ENDPOINT_SOCKET) is required while identity is on: set it to \
                         the Workload API socket, e.g. unix:///run/spire/agent/public/api.sock"
                 .into());
         }
     }
-    if let Some(url) = &args.facade_url {
-        if args.assignment_id.as_deref().is_none_or(str::is_empty) {
+    if let Some(url) = &args.environment.facade_url {
+        if args.environment.assignment_id.as_deref().is_none_or(str::is_empty) {
             return Err("--assignment-id (CI_ASSIGNMENT_ID) is required with --facade-url (CI_RUNNER_FACADE_URL)".into());
         }
-        if !(url.starts_with("unix:///") || url.starts_with("https://")) {
-            return Err(format!("--facade-url (CI_RUNNER_FACADE_URL) {url:?} must be unix:///path or https://host:port"));
-        }
-        if url.starts_with("https://") && (args.facade_spiffe_id.is_none() || !args.identity) {
+        let parsed = contract::facade::FacadeUrl::parse(url).map_err(|error| format!("--facade-url (CI_RUNNER_FACADE_URL) {error}"))?;
+        if matches!(parsed, contract::facade::FacadeUrl::Https(_)) && (args.facade_spiffe_id.is_none() || !args.identity_on()) {
             return Err("--facade-url (CI_RUNNER_FACADE_URL) https:// needs identity on and --facade-spiffe-id (CI_RUNNER_FACADE_SPIFFE_ID)".into());
         }
     }
     if args.runner_gid == args.docker_gid {
-        return Err(format!(
-            "--docker-gid (SUPERVISOR_DOCKER_GID) must differ from --runner-gid: both are {}",
-            args.docker_gid
-        ));
+        return Err(format!("--docker-gid (SUPERVISOR_DOCKER_GID) must differ from --runner-gid: both are {}", args.docker_gid));
     }
-    if args.docker {
-        if args.storage_image.starts_with(&args.docker_data_root) {
+    if args.environment.docker {
+        if args.storage_image.starts_with(&args.environment.docker_data_root) {
             return Err(format!(
                 "--storage-image (SUPERVISOR_STORAGE_IMAGE) {} must not be inside --docker-data-root {}",
                 args.storage_image.display(),
-                args.docker_data_root.display()
+                args.environment.docker_data_root.display()
             ));
         }
         if args.docker_ready_timeout >= Duration::from_secs(3600) {
@@ -215,6 +329,14 @@ fn parse_labels(value: &str) -> Result<RunnerLabels, String> {
     Ok(RunnerLabels(labels))
 }
 
+fn parse_http_url(value: &str) -> Result<String, String> {
+    if (value.starts_with("http://") || value.starts_with("https://")) && value.len() > "https://".len() {
+        Ok(value.trim_end_matches('/').to_owned())
+    } else {
+        Err(format!("{value:?} is not an http(s) URL"))
+    }
+}
+
 fn parse_unprivileged_id(value: &str) -> Result<u32, String> {
     let id: u32 = value.parse().map_err(|_| format!("{value:?} is not a numeric id"))?;
     if id == 0 {
@@ -228,11 +350,7 @@ fn parse_unprivileged_id(value: &str) -> Result<u32, String> {
 
 fn parse_absolute(value: &str) -> Result<PathBuf, String> {
     let path = PathBuf::from(value);
-    if path.is_absolute() {
-        Ok(path)
-    } else {
-        Err(format!("{value:?} is not an absolute path"))
-    }
+    if path.is_absolute() { Ok(path) } else { Err(format!("{value:?} is not an absolute path")) }
 }
 
 fn parse_positive_duration(value: &str) -> Result<Duration, String> {
@@ -269,24 +387,6 @@ pub fn parse_spiffe_id(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
-/// `unix:///abs/path`, `unix:/abs/path` or `tcp://ip:port` (SPIFFE Workload Endpoint).
-pub fn parse_workload_endpoint(value: &str) -> Result<String, String> {
-    if let Some(rest) = value.strip_prefix("unix:") {
-        let path = rest.strip_prefix("//").unwrap_or(rest);
-        if path.starts_with('/') && path.len() > 1 {
-            return Ok(value.to_owned());
-        }
-        return Err(format!("{value:?} is not a unix socket URI: use unix:///absolute/path"));
-    }
-    if let Some(rest) = value.strip_prefix("tcp://") {
-        if rest.parse::<std::net::SocketAddr>().is_ok() {
-            return Ok(value.to_owned());
-        }
-        return Err(format!("{value:?}: tcp endpoints need an IP address and port, e.g. tcp://127.0.0.1:8081"));
-    }
-    Err(format!("{value:?} is not a Workload API endpoint: use unix:///path or tcp://ip:port"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,7 +417,8 @@ mod tests {
         assert_eq!(run.storage_size, 20 << 30);
         assert_eq!(run.drain_timeout, Duration::from_secs(25));
         assert_eq!(run.command, vec!["true"]);
-        assert_eq!(run.runner_labels_json, RunnerLabels(vec!["self-hosted".into()]));
+        assert_eq!(run.runner_labels(), ["self-hosted"]);
+        assert!(run.identity_on());
     }
 
     /// Each invalid value must give an error that names its setting.
@@ -349,6 +450,7 @@ mod tests {
             (&["--runner-labels-json", "self-hosted"], "--runner-labels-json"),
             (&["--facade-url", "unix:///run/f.sock"], "--assignment-id"),
             (&["--facade-url", "http://controller", "--assignment-id", "gitea-task-1"], "--facade-url"),
+            (&["--facade-url", "http://8.8.8.8:9444", "--assignment-id", "gitea-task-1"], "not a loopback or private"),
             (&["--facade-url", "https://controller:9443", "--assignment-id", "gitea-task-1"], "--facade-spiffe-id"),
         ];
         for &(extra, setting) in table {
@@ -359,11 +461,51 @@ mod tests {
 
     #[test]
     fn identity_settings_are_required_while_identity_is_on() {
-        let error = parse(&["--", "true"]).unwrap_err();
+        let error = parse(&["--identity=true", "--", "true"]).unwrap_err();
         assert!(error.contains("--spiffe-id (CI_SPIFFE_ID)"), "{error}");
         let error = parse(&["--spiffe-id", "spiffe://example.org/ci/o/r/j", "--", "true"]).unwrap_err();
         assert!(error.contains("--spiffe-endpoint (SPIFFE_ENDPOINT_SOCKET)"), "{error}");
-        parse(&["--identity=false", "--", "true"]).unwrap();
+        assert!(!parse(&["--identity=false", "--", "true"]).unwrap().identity_on());
+        assert!(!parse(&["--", "true"]).unwrap().identity_on(), "no job SPIFFE ID: no identity wait");
+    }
+
+    fn contract(vars: &[(&str, &str)]) -> Contract {
+        Contract::from_lookup(|name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| (*v).to_owned()))
+    }
+
+    /// What drivers set reaches the settings; empty variables are unset; flags win;
+    /// a bad value names its variable.
+    #[test]
+    fn the_environment_contract_fills_what_flags_leave_open() {
+        let mut args = parse(&["--", "true"]).unwrap();
+        let vars = [
+            (env::ASSIGNMENT_ID, "gitea-task-3"),
+            (env::FACADE_URL, "unix:///run/gdr/facade.sock"),
+            (env::SPIFFE_ENDPOINT_SOCKET, ""),
+            (env::FACADE_SPIFFE_ID, ""),
+            (env::SPIFFE_ID, ""),
+            (env::RUNNER_LABELS_JSON, r#"["disposable","container","docker"]"#),
+            (env::GITEA_URL, "http://10.0.0.1:3000/"),
+        ];
+        apply_contract(&mut args, &contract(&vars)).unwrap();
+        validate(&args).unwrap();
+        assert_eq!(args.environment.assignment_id.as_deref(), Some("gitea-task-3"));
+        assert_eq!(args.environment.spiffe_endpoint, None);
+        assert!(!args.identity_on());
+        assert_eq!(args.runner_labels(), ["disposable", "container", "docker"]);
+        assert_eq!(args.gitea_url.as_deref(), Some("http://10.0.0.1:3000"));
+
+        let mut flagged = parse(&["--assignment-id", "gitea-task-9", "--", "true"]).unwrap();
+        apply_contract(&mut flagged, &contract(&vars)).unwrap();
+        assert_eq!(flagged.environment.assignment_id.as_deref(), Some("gitea-task-9"));
+
+        for (name, bad) in
+            [(env::SPIFFE_ENDPOINT_SOCKET, "/no/scheme"), (env::RUNNER_LABELS_JSON, "docker"), (env::GITEA_URL, "gitea:3000"), (env::SPIFFE_ID, "spiffe://x")]
+        {
+            let mut args = parse(&["--", "true"]).unwrap();
+            let error = apply_contract(&mut args, &contract(&[(name, bad)])).unwrap_err();
+            assert!(error.starts_with(name), "{name}: {error}");
+        }
     }
 
     #[test]

@@ -1,37 +1,22 @@
 //! The supervisor: PID 1 of every job environment. It prepares storage and a
-//! job-local dockerd, waits for the job's exact SPIFFE identity, and runs the job as
-//! the runner uid (later: claims the task from the controller's facade and serves a
-//! loopback RunnerService to an unmodified `gitea-runner daemon --once`).
+//! job-local dockerd, waits for the job's exact SPIFFE identity, claims the task from
+//! the controller's facade and serves a loopback RunnerService to an unmodified
+//! `gitea-runner daemon --once`, which runs the job.
 //!
-//! Layout:
-//! - [`cli`]: every setting, parsed and validated before any side effect.
-//! - [`pid1`]: signals (blocked first, read from a signalfd), the only reaper, spawning.
-//! - [`run`]: PID 1's life: cgroups, agent, storage, dockerd, forwarding, ordered drain.
-//! - [`storage`]: loop-backed ext4 for /var/lib/docker (hand-written loop ioctls).
-//! - [`cgroup`]: v1/v2 detection and v2 nesting into `init`.
-//! - [`dockerd`]: dockerd's arguments, `/_ping` readiness, its log.
-//! - [`agent`]: the runner-uid process: identity wait, readiness socket, the job.
-//! - [`identity`]: waiting for the exact X.509 SVID through the Workload API.
-//! - [`ready`] and [`hook`]: the readiness protocol and `supervisor job-started`.
-//! - [`loopback`]: the RunnerService an unmodified gitea-runner talks to, on 127.0.0.1.
-//! - [`doctor`]: independent PASS/FAIL/SKIP checks.
-//! - [`exit`]: every exit code in one place; [`units`]: size and duration parsing.
+//! Layout, by privilege:
+//! - [`pid1`] (root): signals, the only reaper, spawning, the environment's life
+//!   ([`pid1::run`]), loop-backed storage, cgroups, the job-local dockerd.
+//! - [`agent`] (the runner uid): identity wait, facade client, loopback RunnerService
+//!   and its pass-through to Gitea, readiness.
+//! - [`tools`]: `supervisor job-started` and `supervisor doctor`.
+//! - [`cli`]: every setting, parsed and validated before any side effect; [`exit`]:
+//!   every exit code in one place.
 
 pub mod agent;
-pub mod cgroup;
 pub mod cli;
-pub mod dockerd;
-pub mod doctor;
 pub mod exit;
-pub mod facade_client;
-pub mod hook;
-pub mod identity;
-pub mod loopback;
 pub mod pid1;
-pub mod ready;
-pub mod run;
-pub mod storage;
-pub mod units;
+pub mod tools;
 
 pub use connect::error_chain;
 
@@ -64,6 +49,17 @@ where
         event: &tracing::Event<'_>,
     ) -> std::fmt::Result {
         write!(writer, "[{}] {} ", self.0, event.metadata().level())?;
+        // The fields of the enclosing spans (e.g. `assignment.id`) first, so one job's
+        // story can be followed through the logs.
+        if let Some(scope) = ctx.event_scope() {
+            for span in scope.from_root() {
+                if let Some(fields) = span.extensions().get::<tracing_subscriber::fmt::FormattedFields<N>>()
+                    && !fields.is_empty()
+                {
+                    write!(writer, "{fields} ")?;
+                }
+            }
+        }
         ctx.field_format().format_fields(writer.by_ref(), event)?;
         writeln!(writer)
     }

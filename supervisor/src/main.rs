@@ -4,7 +4,9 @@ use clap::Parser;
 use supervisor::{
     agent,
     cli::{Cli, Command},
-    doctor, exit, hook, init_logging, pid1, run,
+    exit, init_logging,
+    pid1::{self, run},
+    tools::{doctor, job_started},
 };
 
 fn main() -> ExitCode {
@@ -16,14 +18,15 @@ fn main() -> ExitCode {
         }
     };
     let code = match cli.command {
-        Command::Run(args) => {
+        Command::Run(mut args) => {
             // Before anything else, and before any thread exists: see pid1::block_signals.
             if let Err(error) = pid1::block_signals() {
                 eprintln!("supervisor: {}", supervisor::error_chain(&error));
                 return ExitCode::from(exit::INTERNAL);
             }
             init_logging("supervisor");
-            if let Err(message) = supervisor::cli::validate(&args) {
+            let contract = contract::environment::Contract::from_process_env();
+            if let Err(message) = supervisor::cli::apply_contract(&mut args, &contract).and_then(|()| supervisor::cli::validate(&args)) {
                 eprintln!("error: {message}\n\nFor more information, try 'supervisor run --help'.");
                 return ExitCode::from(exit::USAGE);
             }
@@ -33,8 +36,15 @@ fn main() -> ExitCode {
             init_logging("supervisor agent");
             agent::main()
         }
-        Command::JobStarted(args) => hook::run(&args),
-        Command::Doctor(args) => doctor::run(&args),
+        Command::JobStarted(args) => job_started::run(&args),
+        Command::Doctor(mut args) => {
+            let contract = contract::environment::Contract::from_process_env();
+            if let Err(message) = args.environment.apply_contract(&contract) {
+                eprintln!("error: {message}");
+                return ExitCode::from(exit::USAGE);
+            }
+            doctor::run(&args.settings(), args.json)
+        }
         Command::Version => {
             println!("supervisor {}", env!("CARGO_PKG_VERSION"));
             0

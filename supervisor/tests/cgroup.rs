@@ -6,7 +6,7 @@
 
 use std::{fs, path::PathBuf, process::Command};
 
-use supervisor::cgroup;
+use supervisor::pid1::cgroup;
 
 fn cgroup2_root() -> PathBuf {
     for candidate in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {

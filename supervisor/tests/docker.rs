@@ -110,16 +110,9 @@ fn loop_backed_storage_dockerd_and_docker_run() {
     let tarball = busybox_tarball(dir.path());
     let out = dir.path().join("out");
     let layout = layout(dir.path());
-    let output = supervisor_in_private_netns(&dir.path().join("state"), &layout.args, &job(&tarball, &out))
-        .output()
-        .unwrap();
+    let output = supervisor_in_private_netns(&dir.path().join("state"), &layout.args, &job(&tarball, &out)).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "{}\n{stderr}\ndockerd log:\n{}",
-        output.status,
-        fs::read_to_string(dir.path().join("dockerd.log")).unwrap_or_default()
-    );
+    assert!(output.status.success(), "{}\n{stderr}\ndockerd log:\n{}", output.status, fs::read_to_string(dir.path().join("dockerd.log")).unwrap_or_default());
     let seen = fs::read_to_string(&out).unwrap();
     assert!(seen.contains("hello-from-a-container"), "{seen}");
     assert!(seen.contains(&format!("overlay2 {}", layout.data_root.display())), "{seen}");
@@ -151,9 +144,7 @@ fn an_existing_mountpoint_is_used_and_left_alone() {
     }
     let _unmount = Unmount(&layout.data_root);
 
-    let output = supervisor_in_private_netns(&dir.path().join("state"), &layout.args, &job(&tarball, &out))
-        .output()
-        .unwrap();
+    let output = supervisor_in_private_netns(&dir.path().join("state"), &layout.args, &job(&tarball, &out)).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{}\n{stderr}", output.status);
     assert!(fs::read_to_string(&out).unwrap().contains("hello-from-a-container"));

@@ -9,8 +9,8 @@ mod common;
 use std::process::Command;
 
 use common::*;
-use testkit::workload::{FakeWorkloadApi, Offer};
 use serde_json::Value;
+use testkit::workload::{FakeWorkloadApi, Offer};
 
 const EXPECTED: &str = "spiffe://example.org/ci/owner/repo/build";
 
@@ -25,8 +25,8 @@ fn doctor(args: &[String]) -> (i32, Value) {
         .env_remove("CI_ASSIGNMENT_ID")
         .output()
         .unwrap();
-    let json: Value = serde_json::from_slice(&output.stdout)
-        .unwrap_or_else(|e| panic!("--json is not JSON ({e}): {}", String::from_utf8_lossy(&output.stdout)));
+    let json: Value =
+        serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("--json is not JSON ({e}): {}", String::from_utf8_lossy(&output.stdout)));
     (output.status.code().unwrap(), json)
 }
 
@@ -57,7 +57,11 @@ fn broken_paths(dir: &std::path::Path) -> Vec<String> {
 #[test]
 fn every_check_reports_its_own_failure_and_keeps_going() {
     let dir = scratch();
-    std::fs::write(dir.path().join("dockerd.log"), "level=info msg=\"Starting up\"\nfailed to start daemon: error initializing graphdriver: driver not supported\n").unwrap();
+    std::fs::write(
+        dir.path().join("dockerd.log"),
+        "level=info msg=\"Starting up\"\nfailed to start daemon: error initializing graphdriver: driver not supported\n",
+    )
+    .unwrap();
     let mut args = broken_paths(dir.path());
     args.push("--spiffe-endpoint=unix:///nonexistent/api.sock".into());
     args.push(format!("--spiffe-id={EXPECTED}"));
@@ -79,12 +83,18 @@ fn every_check_reports_its_own_failure_and_keeps_going() {
 #[test]
 fn missing_environment_variables_are_named() {
     let dir = scratch();
-    let (code, report) = doctor(&broken_paths(dir.path()));
-    assert_eq!(code, 1);
-    assert_check(&report, "environment", "FAIL", "CI_SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET", "SUPERVISOR_IDENTITY=false");
     let mut args = broken_paths(dir.path());
-    args.push("--identity=false".into());
+    args.push("--identity=true".into());
+    let (code, report) = doctor(&args);
+    assert_eq!(code, 1);
+    assert_check(&report, "environment", "FAIL", "CI_SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET", "CI_SPIFFE_ID");
+    let mut args = broken_paths(dir.path());
+    args.push(format!("--spiffe-id={EXPECTED}"));
+    args.push("--facade-url=unix:///run/gdr/facade.sock".into());
     let (_, report) = doctor(&args);
+    assert_check(&report, "environment", "FAIL", "SPIFFE_ENDPOINT_SOCKET, CI_ASSIGNMENT_ID", "");
+    // Without a job SPIFFE ID identity is off, as in the docker driver's default mode.
+    let (_, report) = doctor(&broken_paths(dir.path()));
     assert_check(&report, "environment", "PASS", "", "");
     assert_check(&report, "svid", "SKIP", "identity is off", "");
 }
@@ -160,6 +170,10 @@ fn the_runner_file_is_checked() {
     args.push("--assignment-id=gitea-task-7".into());
     let (_, report) = doctor(&args);
     assert_check(&report, "runner-file", "PASS", "http://127.0.0.1:4000", "");
+    // As act_runner v0.2.12 rewrites it: no `ephemeral`, labels with their schema.
+    std::fs::write(&file, r#"{"WARNING":"…","id":0,"uuid":"gitea-task-7","name":"gitea-task-7","token":"t","address":"http://127.0.0.1:4000","labels":["disposable:host","container:host","docker:host"]}"#).unwrap();
+    let (_, report) = doctor(&args);
+    assert_check(&report, "runner-file", "PASS", "http://127.0.0.1:4000", "");
     std::fs::write(&file, r#"{"uuid":"gitea-task-8","address":"https://gitea.example.com","ephemeral":false}"#).unwrap();
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
     let (_, report) = doctor(&args);
@@ -167,5 +181,29 @@ fn the_runner_file_is_checked() {
     assert_eq!(outcome["status"], "FAIL");
     for problem in ["not the loopback", "not ephemeral", "is not the assignment gitea-task-7", "readable by others"] {
         assert!(outcome["reason"].as_str().unwrap().contains(problem), "{problem}: {outcome}");
+    }
+}
+
+/// Both runner generations with the image's configuration: gitea-runner v3 must have
+/// the job-started hook set; act_runner (no hooks) passes, the supervisor holds its task.
+#[test]
+fn both_runner_generations_pass_with_the_image_config() {
+    let dir = scratch();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../rootfs/etc/gitea-runner/config.yaml");
+    let no_hook = dir.path().join("no-hook.yaml");
+    std::fs::write(&no_hook, "runner:\n  capacity: 1\n").unwrap();
+    for (runner, config, status, reason) in [
+        ("gitea-runner", config, "PASS", "v3.3.0 with"),
+        ("gitea-runner", no_hook.to_str().unwrap(), "FAIL", "has no runner.hooks.job_started"),
+        ("act_runner", config, "PASS", "v0.2.12 has no job hooks"),
+        ("act_runner", no_hook.to_str().unwrap(), "PASS", "v0.2.12 has no job hooks"),
+    ] {
+        let binary = testkit::peer(runner).display().to_string();
+        let mut args = broken_paths(dir.path());
+        args.retain(|a| !a.starts_with("--runner="));
+        args.push(format!("--runner={binary}"));
+        args.push(format!("--runner-config={config}"));
+        let (_, report) = doctor(&args);
+        assert_check(&report, "runner", status, reason, "");
     }
 }

@@ -20,12 +20,7 @@ async fn job_starts_only_on_the_exact_spiffe_id() {
     let started = dir.path().join("started");
     let mut command = tokio::process::Command::from(run_as_subreaper(
         &dir.path().join("state"),
-        &[
-            "--identity=true",
-            &format!("--spiffe-id={EXPECTED}"),
-            &format!("--spiffe-endpoint={}", fake.endpoint()),
-            "--identity-timeout=60s",
-        ],
+        &["--identity=true", &format!("--spiffe-id={EXPECTED}"), &format!("--spiffe-endpoint={}", fake.endpoint()), "--identity-timeout=60s"],
         &format!("touch {}", started.display()),
     ));
     let mut supervisor = command.stdin(Stdio::null()).kill_on_drop(true).spawn().unwrap();
@@ -37,10 +32,7 @@ async fn job_starts_only_on_the_exact_spiffe_id() {
     assert!(refused_calls >= 2, "the agent did not retry after a refusal: {refused_calls} calls");
 
     // A wrong ID (and one that only shares a prefix) must not do.
-    fake.set(Offer::Ids(vec![
-        "spiffe://example.org/ci/owner/other/build".into(),
-        format!("{EXPECTED}-x"),
-    ]));
+    fake.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/other/build".into(), format!("{EXPECTED}-x")]));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(!started.exists(), "the job started with the wrong identity");
 
@@ -60,12 +52,7 @@ async fn identity_deadline_names_the_missing_id() {
     fake.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/other/build".into()]));
     let output = tokio::process::Command::from(run_as_subreaper(
         &dir.path().join("state"),
-        &[
-            "--identity=true",
-            &format!("--spiffe-id={EXPECTED}"),
-            &format!("--spiffe-endpoint={}", fake.endpoint()),
-            "--identity-timeout=2s",
-        ],
+        &["--identity=true", &format!("--spiffe-id={EXPECTED}"), &format!("--spiffe-endpoint={}", fake.endpoint()), "--identity-timeout=2s"],
         "true",
     ))
     .stdin(Stdio::null())
@@ -84,11 +71,7 @@ async fn job_started_hook_waits_for_identity_and_names_what_is_missing() {
     let state = dir.path().join("state");
     let mut supervisor = tokio::process::Command::from(run_as_subreaper(
         &state,
-        &[
-            "--identity=true",
-            &format!("--spiffe-id={EXPECTED}"),
-            &format!("--spiffe-endpoint={}", fake.endpoint()),
-        ],
+        &["--identity=true", &format!("--spiffe-id={EXPECTED}"), &format!("--spiffe-endpoint={}", fake.endpoint())],
         "sleep 30",
     ))
     .stdin(Stdio::null())
@@ -97,9 +80,7 @@ async fn job_started_hook_waits_for_identity_and_names_what_is_missing() {
     .unwrap();
     let socket = state.join("agent/agent.sock");
     let hook = |timeout: &str| {
-        tokio::process::Command::new(SUPERVISOR)
-            .args(["job-started", &format!("--socket={}", socket.display()), &format!("--timeout={timeout}")])
-            .output()
+        tokio::process::Command::new(SUPERVISOR).args(["job-started", &format!("--socket={}", socket.display()), &format!("--timeout={timeout}")]).output()
     };
 
     // Not ready within the hook's deadline: non-zero, naming identity.

@@ -6,10 +6,16 @@
 
 mod common;
 
-use std::{fs, time::{Duration, Instant}};
+use std::{
+    fs,
+    time::{Duration, Instant},
+};
 
 use common::*;
-use nix::{sys::signal::{Signal, kill}, unistd::Pid};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
 
 #[test]
 fn exit_code_is_the_jobs() {
@@ -48,17 +54,20 @@ fn job_runs_as_the_runner_uid_with_the_docker_group() {
 #[test]
 fn orphaned_grandchildren_are_reaped() {
     let dir = scratch();
-    let out = dir.path().join("zombies");
+    let out = dir.path().join("orphans");
     // Each `sh -c '… &'` exits at once, so its sleep is re-parented to PID 1 and exits
-    // 50 ms later; unless PID 1 reaps, it stays a zombie.
+    // 50 ms later. Its /proc entry disappears only once it is reaped (a zombie keeps it),
+    // so waiting for every entry to go proves each one both ended and was reaped.
     let job = format!(
-        "for i in 1 2 3 4 5 6 7 8; do sh -c 'sleep 0.05 &'; done; sleep 0.6; \
-         cat /proc/[0-9]*/stat 2>/dev/null | grep -c ') Z ' > {} || true",
-        out.display()
+        "for i in 1 2 3 4 5 6 7 8; do sh -c 'sleep 0.05 & echo $!' >> {out}.pids; done; \
+         for p in $(cat {out}.pids); do n=0; \
+           while [ -e /proc/$p ]; do n=$((n+1)); if [ $n -gt 200 ]; then echo \"$p left: $(cat /proc/$p/stat)\" >> {out}; break; fi; sleep 0.025; done; \
+         done; echo \"$(wc -l < {out}.pids) gone\" >> {out}",
+        out = out.display()
     );
     let status = run_as_pid1(&dir.path().join("state"), &[], &job).status().unwrap();
     assert!(status.success(), "{status}");
-    assert_eq!(fs::read_to_string(&out).unwrap().trim(), "0", "zombies left in the namespace");
+    assert_eq!(fs::read_to_string(&out).unwrap().trim(), "8 gone", "orphans were not reaped");
 }
 
 #[test]
@@ -86,9 +95,7 @@ fn every_forwarded_signal_reaches_the_job() {
         (Signal::SIGTERM, "TERM"),
     ] {
         kill(Pid::from_raw(supervisor as i32), signal).unwrap();
-        wait_until(&format!("{name} to arrive"), Duration::from_secs(10), || {
-            fs::read_to_string(&log).unwrap_or_default().lines().any(|l| l == name)
-        });
+        wait_until(&format!("{name} to arrive"), Duration::from_secs(10), || fs::read_to_string(&log).unwrap_or_default().lines().any(|l| l == name));
     }
     let status = wait_with_timeout(&mut child, Duration::from_secs(20));
     // The job exits 7 from its TERM trap; the supervisor passes that on.
@@ -102,9 +109,7 @@ fn drain_deadline_is_honoured_when_the_job_ignores_sigterm() {
     let dir = scratch();
     let ready = dir.path().join("ready");
     let job = format!("trap '' TERM; touch {}; while :; do sleep 0.05; done", ready.display());
-    let mut child = quiet(&mut run_as_pid1(&dir.path().join("state"), &["--drain-timeout=2s"], &job))
-        .spawn()
-        .unwrap();
+    let mut child = quiet(&mut run_as_pid1(&dir.path().join("state"), &["--drain-timeout=2s"], &job)).spawn().unwrap();
     wait_until("the job to start", Duration::from_secs(20), || ready.exists());
     let supervisor = child_of(child.id()).unwrap();
     let sent = Instant::now();
@@ -122,13 +127,8 @@ fn sigterm_cleans_up_escaped_descendants_as_a_subreaper() {
     let dir = scratch();
     let pidfile = dir.path().join("escaped");
     // setsid: the daemon leaves the job's process group, so only a tree kill finds it.
-    let job = format!(
-        "setsid sleep 1000 & echo $! > {0}.tmp; mv {0}.tmp {0}; while :; do sleep 0.05; done",
-        pidfile.display()
-    );
-    let mut child = quiet(&mut run_as_subreaper(&dir.path().join("state"), &["--drain-timeout=3s"], &job))
-        .spawn()
-        .unwrap();
+    let job = format!("setsid sleep 1000 & echo $! > {0}.tmp; mv {0}.tmp {0}; while :; do sleep 0.05; done", pidfile.display());
+    let mut child = quiet(&mut run_as_subreaper(&dir.path().join("state"), &["--drain-timeout=3s"], &job)).spawn().unwrap();
     wait_until("the daemon to start", Duration::from_secs(20), || pidfile.exists());
     let escaped: u32 = fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
     assert!(alive(escaped));

@@ -51,12 +51,7 @@ fn until_ok(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 }
 
 fn spire_server(dir: &Path, args: &[&str]) -> std::process::Output {
-    Command::new(peer("spire-server"))
-        .args(args)
-        .arg("-socketPath")
-        .arg(dir.join("server.sock"))
-        .output()
-        .unwrap()
+    Command::new(peer("spire-server")).args(args).arg("-socketPath").arg(dir.join("server.sock")).output().unwrap()
 }
 
 #[test]
@@ -99,17 +94,8 @@ plugins {{
         ),
     )
     .unwrap();
-    let _server = Killed(
-        Command::new(peer("spire-server"))
-            .args(["run", "-config"])
-            .arg(d.join("server.conf"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    until_ok("spire-server to be healthy", Duration::from_secs(60), || {
-        spire_server(d, &["healthcheck"]).status.success()
-    });
+    let _server = Killed(Command::new(peer("spire-server")).args(["run", "-config"]).arg(d.join("server.conf")).stdout(Stdio::null()).spawn().unwrap());
+    until_ok("spire-server to be healthy", Duration::from_secs(60), || spire_server(d, &["healthcheck"]).status.success());
     let token = spire_server(d, &["token", "generate", "-spiffeID", AGENT_ALIAS, "-ttl", "600"]);
     assert!(token.status.success(), "{}", String::from_utf8_lossy(&token.stderr));
     let token = String::from_utf8(token.stdout).unwrap();
@@ -158,25 +144,14 @@ plugins {{
             .unwrap(),
     );
     until_ok("spire-agent to be healthy", Duration::from_secs(60), || {
-        Command::new(peer("spire-agent"))
-            .args(["healthcheck", "-socketPath"])
-            .arg(&agent_socket)
-            .output()
-            .unwrap()
-            .status
-            .success()
+        Command::new(peer("spire-agent")).args(["healthcheck", "-socketPath"]).arg(&agent_socket).output().unwrap().status.success()
     });
 
     let started = d.join("started");
     let mut supervisor = Killed(
         run_as_subreaper(
             &d.join("state"),
-            &[
-                "--identity=true",
-                &format!("--spiffe-id={EXPECTED}"),
-                &format!("--spiffe-endpoint=unix://{}", agent_socket.display()),
-                "--identity-timeout=90s",
-            ],
+            &["--identity=true", &format!("--spiffe-id={EXPECTED}"), &format!("--spiffe-endpoint=unix://{}", agent_socket.display()), "--identity-timeout=90s"],
             &format!("touch {}", started.display()),
         )
         .stdin(Stdio::null())
@@ -188,10 +163,7 @@ plugins {{
     assert!(!started.exists(), "the job started before any entry existed");
     assert!(supervisor.0.try_wait().unwrap().is_none(), "the supervisor gave up early");
 
-    let entry = spire_server(
-        d,
-        &["entry", "create", "-parentID", AGENT_ALIAS, "-spiffeID", EXPECTED, "-selector", "unix:uid:2000"],
-    );
+    let entry = spire_server(d, &["entry", "create", "-parentID", AGENT_ALIAS, "-spiffeID", EXPECTED, "-selector", "unix:uid:2000"]);
     assert!(entry.status.success(), "{}", String::from_utf8_lossy(&entry.stderr));
     let registered = Instant::now();
     let status = wait_with_timeout(&mut supervisor.0, Duration::from_secs(90));

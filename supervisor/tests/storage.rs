@@ -14,7 +14,7 @@ use std::process::{Command, ExitStatus};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use supervisor::storage::{self, Prepared, Runner, StorageConfig, StorageError, mountinfo};
+use supervisor::pid1::storage::{self, Prepared, Runner, StorageConfig, StorageError, mountinfo};
 
 static LOCK: Mutex<()> = Mutex::new(());
 
@@ -72,12 +72,8 @@ struct Scratch {
 
 impl Scratch {
     fn new(name: &str) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("supervisor-storage-{name}-{}", std::process::id()));
-        let scratch = Self {
-            dir,
-            prepared: Vec::new(),
-        };
+        let dir = std::env::temp_dir().join(format!("supervisor-storage-{name}-{}", std::process::id()));
+        let scratch = Self { dir, prepared: Vec::new() };
         scratch.sweep();
         fs::create_dir_all(&scratch.dir).expect("scratch dir");
         scratch
@@ -100,21 +96,14 @@ impl Scratch {
         if let Ok(text) = fs::read("/proc/self/mountinfo")
             && let Ok(entries) = mountinfo::parse(&text)
         {
-            let mut below: Vec<&PathBuf> = entries
-                .iter()
-                .map(|e| &e.mount_point)
-                .filter(|p| p.starts_with(&self.dir))
-                .collect();
+            let mut below: Vec<&PathBuf> = entries.iter().map(|e| &e.mount_point).filter(|p| p.starts_with(&self.dir)).collect();
             below.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
             for path in below {
                 let _ = nix::mount::umount2(path.as_path(), nix::mount::MntFlags::MNT_DETACH);
             }
         }
         for (index, _) in bound_loops_under(&self.dir) {
-            let _ = Command::new("losetup")
-                .arg("-d")
-                .arg(format!("/dev/loop{index}"))
-                .status();
+            let _ = Command::new("losetup").arg("-d").arg(format!("/dev/loop{index}")).status();
         }
         let _ = fs::remove_dir_all(&self.dir);
     }
@@ -134,11 +123,7 @@ fn bound_loops() -> Vec<(u32, PathBuf)> {
     };
     for entry in dir.flatten() {
         let name = entry.file_name();
-        let Some(index) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("loop"))
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
+        let Some(index) = name.to_str().and_then(|n| n.strip_prefix("loop")).and_then(|n| n.parse::<u32>().ok()) else {
             continue;
         };
         if let Ok(backing) = fs::read(entry.path().join("loop/backing_file")) {
@@ -151,17 +136,11 @@ fn bound_loops() -> Vec<(u32, PathBuf)> {
 }
 
 fn bound_loops_under(dir: &Path) -> Vec<(u32, PathBuf)> {
-    bound_loops()
-        .into_iter()
-        .filter(|(_, backing)| backing.starts_with(dir))
-        .collect()
+    bound_loops().into_iter().filter(|(_, backing)| backing.starts_with(dir)).collect()
 }
 
 fn losetup_a() -> String {
-    let out = Command::new("losetup")
-        .arg("-a")
-        .output()
-        .expect("losetup runs");
+    let out = Command::new("losetup").arg("-a").output().expect("losetup runs");
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -173,21 +152,9 @@ fn mount_entry(path: &Path) -> Option<mountinfo::MountEntry> {
 
 fn created(prepared: &Prepared) -> (PathBuf, PathBuf, u32, PathBuf, bool, bool) {
     match prepared.clone() {
-        Prepared::Created {
-            image_path,
-            loop_device,
-            loop_index,
-            mountpoint,
-            created_mountpoint_dir,
-            created_image,
-        } => (
-            image_path,
-            loop_device,
-            loop_index,
-            mountpoint,
-            created_mountpoint_dir,
-            created_image,
-        ),
+        Prepared::Created { image_path, loop_device, loop_index, mountpoint, created_mountpoint_dir, created_image } => {
+            (image_path, loop_device, loop_index, mountpoint, created_mountpoint_dir, created_image)
+        }
         Prepared::Existing { fstype } => panic!("expected Created, got Existing({fstype})"),
     }
 }
@@ -201,61 +168,30 @@ fn assert_prepared(config: &StorageConfig, prepared: &Prepared) {
     assert!(created_image);
     assert_eq!(device, Path::new(&format!("/dev/loop{index}")));
 
-    assert_eq!(
-        storage::is_mountpoint(&mountpoint).expect("mountinfo"),
-        Some("ext4".to_owned())
-    );
+    assert_eq!(storage::is_mountpoint(&mountpoint).expect("mountinfo"), Some("ext4".to_owned()));
     let entry = mount_entry(&mountpoint).expect("mounted");
-    assert_eq!(
-        entry.source,
-        device.as_os_str(),
-        "mounted from our loop device"
-    );
-    assert!(
-        entry.mount_options.split(',').any(|o| o == "noatime"),
-        "{}",
-        entry.mount_options
-    );
+    assert_eq!(entry.source, device.as_os_str(), "mounted from our loop device");
+    assert!(entry.mount_options.split(',').any(|o| o == "noatime"), "{}", entry.mount_options);
 
     let sys = PathBuf::from(format!("/sys/block/loop{index}/loop"));
     let backing = fs::read_to_string(sys.join("backing_file")).expect("bound");
     assert_eq!(backing.trim_end(), image.to_str().expect("utf-8"));
-    assert_eq!(
-        fs::read_to_string(sys.join("autoclear"))
-            .expect("attr")
-            .trim(),
-        "1"
-    );
-    assert!(
-        losetup_a().contains(image.to_str().expect("utf-8")),
-        "losetup -a lists it"
-    );
+    assert_eq!(fs::read_to_string(sys.join("autoclear")).expect("attr").trim(), "1");
+    assert!(losetup_a().contains(image.to_str().expect("utf-8")), "losetup -a lists it");
 
-    assert_eq!(
-        &storage::read_state(&config.state_file).expect("state file"),
-        prepared
-    );
+    assert_eq!(&storage::read_state(&config.state_file).expect("state file"), prepared);
 }
 
 /// Asserts nothing of a Created preparation is left.
 fn assert_cleaned(config: &StorageConfig, index: u32) {
-    assert_eq!(
-        storage::is_mountpoint(&config.mountpoint).expect("mountinfo"),
-        None
-    );
+    assert_eq!(storage::is_mountpoint(&config.mountpoint).expect("mountinfo"), None);
     assert!(mount_entry(&config.mountpoint).is_none());
     let leaked = bound_loops_under(config.image_path.parent().expect("parent"));
     assert!(leaked.is_empty(), "leaked loop devices: {leaked:?}");
     let backing = fs::read(format!("/sys/block/loop{index}/loop/backing_file")).ok();
-    assert!(
-        backing.is_none_or(|b| !b.starts_with(config.image_path.as_os_str().as_bytes())),
-        "loop{index} still points at our image"
-    );
+    assert!(backing.is_none_or(|b| !b.starts_with(config.image_path.as_os_str().as_bytes())), "loop{index} still points at our image");
     let listing = losetup_a();
-    assert!(
-        !listing.contains(config.image_path.to_str().expect("utf-8")),
-        "losetup -a: {listing}"
-    );
+    assert!(!listing.contains(config.image_path.to_str().expect("utf-8")), "losetup -a: {listing}");
     assert!(!config.image_path.exists(), "image removed");
 }
 
@@ -272,10 +208,7 @@ fn prepare_mount_write_cleanup() {
     scratch.prepared.push(prepared.clone());
     assert_prepared(&config, &prepared);
     let (_, _, index, _, created_dir, _) = created(&prepared);
-    assert!(
-        created_dir,
-        "the mountpoint did not exist, so prepare created it"
-    );
+    assert!(created_dir, "the mountpoint did not exist, so prepare created it");
 
     let file = config.mountpoint.join("hello");
     let mut f = fs::File::create(&file).expect("create in the mount");
@@ -286,24 +219,15 @@ fn prepare_mount_write_cleanup() {
     // The write landed in the image, not on the filesystem under the mountpoint dir.
     let sys_dev = fs::read_to_string(format!("/sys/block/loop{index}/dev")).expect("sysfs dev");
     let (major, minor) = storage::parse_sys_dev(&sys_dev).expect("major:minor");
-    assert_eq!(
-        fs::metadata(&file).expect("stat").dev(),
-        nix::sys::stat::makedev(u64::from(major), u64::from(minor))
-    );
+    assert_eq!(fs::metadata(&file).expect("stat").dev(), nix::sys::stat::makedev(u64::from(major), u64::from(minor)));
 
     let started = Instant::now();
     storage::cleanup(&prepared).expect("cleanup");
     let cleanup_time = started.elapsed();
     scratch.prepared.clear();
     assert_cleaned(&config, index);
-    assert!(
-        !config.mountpoint.exists(),
-        "the mountpoint dir we created is gone"
-    );
-    eprintln!(
-        "256 MiB: prepare {prepare_time:?} (runs: {:?}), cleanup {cleanup_time:?}",
-        runner.runs
-    );
+    assert!(!config.mountpoint.exists(), "the mountpoint dir we created is gone");
+    eprintln!("256 MiB: prepare {prepare_time:?} (runs: {:?}), cleanup {cleanup_time:?}", runner.runs);
 }
 
 #[test]
@@ -321,10 +245,7 @@ fn default_20_gib_is_sparse_and_fast() {
     let meta = fs::metadata(&config.image_path).expect("image");
     assert_eq!(meta.len(), 20 * 1024 * MIB);
     let allocated = meta.blocks() * 512;
-    assert!(
-        allocated < 64 * MIB,
-        "sparse image allocated {allocated} bytes"
-    );
+    assert!(allocated < 64 * MIB, "sparse image allocated {allocated} bytes");
     let (_, _, index, _, _, _) = created(&prepared);
 
     let started = Instant::now();
@@ -345,43 +266,22 @@ fn existing_mount_is_used_and_left_alone() {
     let mut scratch = Scratch::new("existing");
     let config = scratch.config(256 * MIB);
     fs::create_dir_all(&config.mountpoint).expect("mountpoint");
-    nix::mount::mount(
-        Some("tmpfs"),
-        &config.mountpoint,
-        Some("tmpfs"),
-        nix::mount::MsFlags::empty(),
-        Some("size=1m"),
-    )
-    .expect("tmpfs mount");
+    nix::mount::mount(Some("tmpfs"), &config.mountpoint, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m")).expect("tmpfs mount");
     fs::write(config.mountpoint.join("keep"), b"x").expect("write");
     let before = bound_loops();
 
     let mut runner = StatusRunner::default();
     let prepared = storage::prepare(&config, &mut runner).expect("prepare");
     scratch.prepared.push(prepared.clone());
-    assert_eq!(
-        prepared,
-        Prepared::Existing {
-            fstype: "tmpfs".to_owned()
-        }
-    );
+    assert_eq!(prepared, Prepared::Existing { fstype: "tmpfs".to_owned() });
     assert!(runner.runs.is_empty(), "mkfs not run");
     assert!(!config.image_path.exists(), "no image created");
     assert_eq!(bound_loops(), before, "no loop device bound");
-    assert_eq!(
-        storage::read_state(&config.state_file).expect("state"),
-        prepared
-    );
+    assert_eq!(storage::read_state(&config.state_file).expect("state"), prepared);
 
     storage::cleanup(&prepared).expect("cleanup is a no-op");
-    assert_eq!(
-        storage::is_mountpoint(&config.mountpoint).expect("mountinfo"),
-        Some("tmpfs".to_owned())
-    );
-    assert_eq!(
-        fs::read(config.mountpoint.join("keep")).expect("still there"),
-        b"x"
-    );
+    assert_eq!(storage::is_mountpoint(&config.mountpoint).expect("mountinfo"), Some("tmpfs".to_owned()));
+    assert_eq!(fs::read(config.mountpoint.join("keep")).expect("still there"), b"x");
     // Scratch's drop unmounts the tmpfs.
 }
 
@@ -403,10 +303,7 @@ fn three_cycles_leak_no_loop_devices() {
         assert_cleaned(&config, index);
         times.push(started.elapsed());
         let after = bound_loops();
-        assert_eq!(
-            after, before,
-            "cycle {cycle}: the set of bound loop devices changed"
-        );
+        assert_eq!(after, before, "cycle {cycle}: the set of bound loop devices changed");
     }
     eprintln!("prepare+cleanup cycles: {times:?}");
 }
@@ -417,10 +314,7 @@ fn mkfs_failure_rolls_everything_back() {
     let scratch = Scratch::new("mkfs-fails");
     let config = scratch.config(64 * MIB);
     let error = storage::prepare(&config, &mut FakeRunner(1)).expect_err("mkfs fails");
-    assert!(
-        matches!(error, StorageError::MkfsFailed { .. }),
-        "{error:?}"
-    );
+    assert!(matches!(error, StorageError::MkfsFailed { .. }), "{error:?}");
     assert!(!config.image_path.exists(), "image removed");
     assert!(!config.mountpoint.exists(), "mountpoint dir removed");
     assert!(bound_loops_under(&scratch.dir).is_empty());
@@ -437,10 +331,7 @@ fn mount_failure_detaches_and_rolls_back() {
         StorageError::Mount { source, .. } => assert_eq!(*source, nix::errno::Errno::EINVAL),
         other => panic!("expected Mount, got {other:?}"),
     }
-    assert!(
-        bound_loops_under(&scratch.dir).is_empty(),
-        "loop device released"
-    );
+    assert!(bound_loops_under(&scratch.dir).is_empty(), "loop device released");
     assert!(!config.image_path.exists(), "image removed");
     assert!(!config.mountpoint.exists(), "mountpoint dir removed");
 }
@@ -452,9 +343,7 @@ fn stale_image_is_replaced_and_existing_dir_kept() {
     let config = scratch.config(64 * MIB);
     fs::create_dir_all(config.image_path.parent().expect("parent")).expect("dir");
     fs::write(&config.image_path, vec![0xAB; 1 << 20]).expect("stale image");
-    let stale_birth = fs::metadata(&config.image_path)
-        .and_then(|m| m.created())
-        .expect("btime");
+    let stale_birth = fs::metadata(&config.image_path).and_then(|m| m.created()).expect("btime");
     fs::create_dir_all(&config.mountpoint).expect("pre-existing mountpoint dir");
 
     let prepared = storage::prepare(&config, &mut StatusRunner::default()).expect("prepare");
@@ -467,21 +356,14 @@ fn stale_image_is_replaced_and_existing_dir_kept() {
     let meta = fs::metadata(&config.image_path).expect("stat");
     assert!(meta.created().expect("btime") > stale_birth, "a new file");
     let mut head = vec![0; 1 << 20];
-    io::Read::read_exact(
-        &mut fs::File::open(&config.image_path).expect("open"),
-        &mut head,
-    )
-    .expect("read image");
+    io::Read::read_exact(&mut fs::File::open(&config.image_path).expect("open"), &mut head).expect("read image");
     let stale_bytes = head.iter().filter(|&&b| b == 0xAB).count();
     assert!(stale_bytes < 1000, "{stale_bytes} stale bytes survived");
 
     storage::cleanup(&prepared).expect("cleanup");
     scratch.prepared.clear();
     assert_cleaned(&config, index);
-    assert!(
-        config.mountpoint.is_dir(),
-        "a mountpoint dir we did not create stays"
-    );
+    assert!(config.mountpoint.is_dir(), "a mountpoint dir we did not create stays");
 }
 
 #[test]
@@ -491,10 +373,7 @@ fn non_file_at_image_path_is_refused() {
     let config = scratch.config(64 * MIB);
     fs::create_dir_all(&config.image_path).expect("a directory where the image goes");
     let error = storage::prepare(&config, &mut StatusRunner::default()).expect_err("refused");
-    assert!(
-        matches!(error, StorageError::ImageNotRegular { .. }),
-        "{error:?}"
-    );
+    assert!(matches!(error, StorageError::ImageNotRegular { .. }), "{error:?}");
     assert!(config.image_path.is_dir(), "left alone");
     assert!(!config.mountpoint.exists(), "mountpoint dir rolled back");
 }
@@ -527,23 +406,13 @@ fn cleanup_unmounts_submounts_first() {
     for sub in ["overlay2/x/merged", "containers/y/mounts/shm"] {
         let path = config.mountpoint.join(sub);
         fs::create_dir_all(&path).expect("dir");
-        nix::mount::mount(
-            Some("tmpfs"),
-            &path,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some("size=1m"),
-        )
-        .expect("submount");
+        nix::mount::mount(Some("tmpfs"), &path, Some("tmpfs"), nix::mount::MsFlags::empty(), Some("size=1m")).expect("submount");
     }
     let (_, _, index, _, _, _) = created(&prepared);
     let started = Instant::now();
     storage::cleanup(&prepared).expect("cleanup");
     scratch.prepared.clear();
-    assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "no EBUSY retries needed"
-    );
+    assert!(started.elapsed() < Duration::from_secs(1), "no EBUSY retries needed");
     assert_cleaned(&config, index);
 }
 
@@ -561,32 +430,18 @@ fn busy_mount_is_detached_lazily_and_loop_follows() {
     storage::cleanup(&prepared).expect("cleanup succeeds with MNT_DETACH");
     let took = started.elapsed();
     scratch.prepared.clear();
-    assert!(
-        took < Duration::from_secs(5),
-        "EBUSY retries are bounded: {took:?}"
-    );
-    assert_eq!(
-        storage::is_mountpoint(&config.mountpoint).expect("mountinfo"),
-        None,
-        "detached"
-    );
+    assert!(took < Duration::from_secs(5), "EBUSY retries are bounded: {took:?}");
+    assert_eq!(storage::is_mountpoint(&config.mountpoint).expect("mountinfo"), None, "detached");
     assert!(!config.image_path.exists(), "image unlinked");
     // The lazily detached fs still holds the loop device until our file goes.
-    assert_eq!(
-        bound_loops_under(&scratch.dir).len(),
-        1,
-        "still bound while busy"
-    );
+    assert_eq!(bound_loops_under(&scratch.dir).len(), 1, "still bound while busy");
 
     drop(holder);
     let deadline = Instant::now() + Duration::from_secs(5);
     while !bound_loops_under(&scratch.dir).is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(
-        bound_loops_under(&scratch.dir).is_empty(),
-        "autoclear after the last user"
-    );
+    assert!(bound_loops_under(&scratch.dir).is_empty(), "autoclear after the last user");
     assert_cleaned(&config, index);
     eprintln!("busy cleanup took {took:?}");
 }

@@ -10,7 +10,10 @@ use connect::{ConnectError, Request, Response, Router};
 use prost_types::{ListValue, Struct, Timestamp, Value, value::Kind};
 use proto::{
     ping::v1::{PingRequest, PingResponse},
-    runner::v1::{DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, LogRow, RegisterRequest, RegisterResponse, Result as TaskResult, Runner, RunnerStatus, StepState, Task, TaskNeed, TaskState, UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse},
+    runner::v1::{
+        DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, LogRow, RegisterRequest, RegisterResponse, Result as TaskResult, Runner,
+        RunnerStatus, StepState, Task, TaskNeed, TaskState, UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
+    },
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -36,24 +39,14 @@ fn string(s: &str) -> Value {
 }
 
 pub fn fixture_task() -> Task {
-    let event = Struct {
-        fields: BTreeMap::from([
-            ("ref".to_owned(), string("refs/heads/main")),
-            ("forced".to_owned(), value(Kind::BoolValue(false))),
-        ]),
-    };
+    let event = Struct { fields: BTreeMap::from([("ref".to_owned(), string("refs/heads/main")), ("forced".to_owned(), value(Kind::BoolValue(false)))]) };
     let context = Struct {
         fields: BTreeMap::from([
             ("repository".to_owned(), string("owner/repo")),
             ("run_number".to_owned(), string("7")),
             ("run_attempt".to_owned(), value(Kind::NumberValue(1.0))),
             ("event".to_owned(), value(Kind::StructValue(event))),
-            (
-                "tags".to_owned(),
-                value(Kind::ListValue(ListValue {
-                    values: vec![string("a"), value(Kind::NumberValue(2.5)), value(Kind::NullValue(0))],
-                })),
-            ),
+            ("tags".to_owned(), value(Kind::ListValue(ListValue { values: vec![string("a"), value(Kind::NumberValue(2.5)), value(Kind::NullValue(0))] }))),
             ("token".to_owned(), string("")),
         ]),
     };
@@ -61,19 +54,10 @@ pub fn fixture_task() -> Task {
         id: 9_007_199_254_740_993,
         workflow_payload: Some(WORKFLOW.as_bytes().to_vec()),
         context: Some(context),
-        secrets: [("GITEA_TOKEN", "task-token"), ("EMPTY", "")]
+        secrets: [("GITEA_TOKEN", "task-token"), ("EMPTY", "")].into_iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
+        needs: [("prep".to_owned(), TaskNeed { outputs: [("out".to_owned(), "x".to_owned())].into_iter().collect(), result: TaskResult::Success as i32 })]
             .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
             .collect(),
-        needs: [(
-            "prep".to_owned(),
-            TaskNeed {
-                outputs: [("out".to_owned(), "x".to_owned())].into_iter().collect(),
-                result: TaskResult::Success as i32,
-            },
-        )]
-        .into_iter()
-        .collect(),
         vars: [("V".to_owned(), "1".to_owned())].into_iter().collect(),
         ..Default::default()
     }
@@ -103,10 +87,7 @@ pub fn update_log_request() -> UpdateLogRequest {
     UpdateLogRequest {
         task_id: 12,
         index: 5,
-        rows: vec![
-            LogRow { time: ts(T0 + 2, 0), content: "line 1".into() },
-            LogRow { time: ts(T0 + 3, 0), content: String::new() },
-        ],
+        rows: vec![LogRow { time: ts(T0 + 2, 0), content: "line 1".into() }, LogRow { time: ts(T0 + 3, 0), content: String::new() }],
         no_more: true,
     }
 }

@@ -20,7 +20,7 @@ use bollard::{
 use serde::Deserialize;
 
 use super::{Driver, DriverError, Environment, EnvironmentSpec, LABEL_ASSIGNMENT, LABEL_MANAGED, Phase};
-use crate::placement::Placement;
+use crate::assignment::placement::Placement;
 
 /// How containers are made.
 #[derive(Debug, Clone, Deserialize)]
@@ -63,6 +63,18 @@ fn default_stop_seconds() -> i32 {
 }
 
 impl DockerConfig {
+    /// `--privileged` with the defaults.
+    pub fn privileged(image: &str) -> DockerConfig {
+        DockerConfig {
+            privileged: true,
+            cap_add: Vec::new(),
+            cap_drop: Vec::new(),
+            security_opt: Vec::new(),
+            device_cgroup_rules: Vec::new(),
+            ..DockerConfig::unprivileged_loop_capable(image)
+        }
+    }
+
     /// The explicit set that works where `--privileged` is refused (all capabilities
     /// but SYS_RESOURCE, no seccomp/AppArmor confinement, loop devices allowed).
     pub fn unprivileged_loop_capable(image: &str) -> DockerConfig {
@@ -103,6 +115,13 @@ impl DockerDriver {
         Ok(DockerDriver { placement: Placement::CONTAINER_DOCKER, docker, config })
     }
 
+    /// Places its environments under `placement` in labels and errors (run-local runs a
+    /// job of any container placement locally).
+    pub fn for_placement(mut self, placement: Placement) -> Self {
+        self.placement = placement;
+        self
+    }
+
     fn unavailable(&self, detail: impl Into<String>) -> DriverError {
         DriverError::Unavailable { placement: self.placement.to_string(), detail: detail.into() }
     }
@@ -138,21 +157,40 @@ impl DockerDriver {
         match self.docker.inspect_container(name, None::<InspectContainerOptions>).await {
             Ok(container) => {
                 let labels: BTreeMap<String, String> = container.config.and_then(|c| c.labels).unwrap_or_default().into_iter().collect();
-                let running = container.state.as_ref().and_then(|s| s.status).map(|s| {
+                let state = container.state.unwrap_or_default();
+                let running = state.status.is_some_and(|s| {
                     use bollard::models::ContainerStateStatusEnum as S;
                     matches!(s, S::CREATED | S::RUNNING | S::RESTARTING | S::PAUSED)
                 });
+                let detail = if running { String::new() } else { exit_detail(&state) };
                 Ok(Some(Environment {
                     name: name.to_owned(),
                     assignment_id: labels.get(LABEL_ASSIGNMENT).cloned().unwrap_or_default(),
                     labels,
-                    phase: if running.unwrap_or(false) { Phase::Running } else { Phase::Exited },
+                    phase: if running { Phase::Running } else { Phase::Exited },
+                    detail,
                 }))
             }
             Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(None),
             Err(error) => Err(self.unavailable(format!("inspecting {name}: {error}"))),
         }
     }
+}
+
+/// "exited with code 137 (OOM killed)", "…: <docker's error>".
+fn exit_detail(state: &bollard::models::ContainerState) -> String {
+    let mut detail = match state.exit_code {
+        Some(code) => format!("the container exited with code {code}"),
+        None => "the container is not running".to_owned(),
+    };
+    if state.oom_killed == Some(true) {
+        detail.push_str(" (killed for using more memory than allowed)");
+    }
+    if let Some(error) = state.error.as_deref().filter(|e| !e.is_empty()) {
+        detail.push_str(": ");
+        detail.push_str(error);
+    }
+    detail
 }
 
 #[async_trait]
@@ -180,7 +218,9 @@ impl Driver for DockerDriver {
             Ok(()) => {}
             // 304: already started by the earlier attempt.
             Err(bollard::errors::Error::DockerResponseServerError { status_code: 304, .. }) => {}
-            Err(bollard::errors::Error::DockerResponseServerError { status_code, message }) if status_code < 500 || message.contains("permission") || message.contains("operation not permitted") => {
+            Err(bollard::errors::Error::DockerResponseServerError { status_code, message })
+                if status_code < 500 || message.contains("permission") || message.contains("operation not permitted") =>
+            {
                 return Err(DriverError::Refused { placement: self.placement.to_string(), name: spec.name.clone(), detail: message });
             }
             Err(error) => return Err(self.unavailable(format!("starting {}: {error}", spec.name))),
@@ -207,7 +247,7 @@ impl Driver for DockerDriver {
         Ok(found)
     }
 
-    async fn mark_terminal(&self, name: &str) -> Result<(), DriverError> {
+    async fn stop(&self, name: &str) -> Result<(), DriverError> {
         // Nothing more will run in it: stop it (the supervisor drains) and remove it.
         let stop = StopContainerOptions { t: Some(self.config.stop_seconds), ..Default::default() };
         match self.docker.stop_container(name, Some(stop)).await {
@@ -216,6 +256,32 @@ impl Driver for DockerDriver {
             Err(error) => return Err(self.unavailable(format!("stopping {name}: {error}"))),
         }
         self.delete(name).await
+    }
+
+    async fn changes(&self) -> Result<Option<super::Changes>, DriverError> {
+        use futures_util::StreamExt as _;
+        let filters = HashMap::from([
+            ("type".to_owned(), vec!["container".to_owned()]),
+            ("event".to_owned(), vec!["die".to_owned()]),
+            ("label".to_owned(), vec![format!("{LABEL_MANAGED}=true")]),
+        ]);
+        let options = bollard::query_parameters::EventsOptions { filters: Some(filters), ..Default::default() };
+        let driver = self.clone();
+        let events = self.docker.events(Some(options));
+        let changes = events
+            .filter_map(move |event| {
+                let driver = driver.clone();
+                async move {
+                    let name = event.ok()?.actor?.attributes?.get("name")?.clone();
+                    // The event says little; inspect for the exit code and OOM state.
+                    match driver.inspect(&name).await {
+                        Ok(Some(environment)) if environment.phase != Phase::Running => Some(environment),
+                        _ => None,
+                    }
+                }
+            })
+            .boxed();
+        Ok(Some(changes))
     }
 
     async fn delete(&self, name: &str) -> Result<(), DriverError> {

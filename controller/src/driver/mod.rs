@@ -9,14 +9,22 @@ use std::collections::BTreeMap;
 
 use async_trait::async_trait;
 
-use crate::placement::Placement;
+use crate::assignment::placement::Placement;
 
+#[cfg(feature = "test-driver")]
+pub mod directory;
 pub mod docker;
+pub mod opensandbox;
 
 /// Labels every environment carries (recovery metadata).
 pub const LABEL_ASSIGNMENT: &str = "gitea-dynamic-runner/assignment-id";
 pub const LABEL_PLACEMENT: &str = "gitea-dynamic-runner/placement";
 pub const LABEL_MANAGED: &str = "gitea-dynamic-runner/managed";
+/// Which controller installation an environment belongs to (see [`instance_of`]).
+pub const LABEL_INSTANCE: &str = "gitea-dynamic-runner/instance";
+
+/// A stream of environments that changed on their own (ended, failed, evicted).
+pub type Changes = std::pin::Pin<Box<dyn futures_util::Stream<Item = Environment> + Send>>;
 
 /// What a driver is asked to create.
 #[derive(Clone, PartialEq, Eq)]
@@ -25,8 +33,8 @@ pub struct EnvironmentSpec {
     /// Derived from the assignment id, so a retried create finds the first one.
     pub name: String,
     pub labels: BTreeMap<String, String>,
-    /// The environment contract (architecture §3): CI_ASSIGNMENT_ID,
-    /// CI_RUNNER_CAPABILITY, CI_RUNNER_FACADE_URL, … — never a Gitea credential.
+    /// The environment contract's variables (`contract::environment`), only those with
+    /// a value — never a Gitea credential.
     pub env: BTreeMap<String, String>,
 }
 
@@ -57,6 +65,9 @@ pub struct Environment {
     pub assignment_id: String,
     pub labels: BTreeMap<String, String>,
     pub phase: Phase,
+    /// Why it ended, in the backend's words (exit code, OOM kill, eviction …); empty
+    /// while it runs.
+    pub detail: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -75,26 +86,56 @@ pub trait Driver: Send + Sync + std::fmt::Debug {
     async fn get(&self, name: &str) -> Result<Option<Environment>, DriverError>;
     /// Every managed environment whose labels include all of `selector`.
     async fn list(&self, selector: &BTreeMap<String, String>) -> Result<Vec<Environment>, DriverError>;
-    async fn mark_terminal(&self, name: &str) -> Result<(), DriverError>;
+    /// Nothing more will run in it: stops it gracefully (its supervisor drains) and
+    /// deletes it.
+    async fn stop(&self, name: &str) -> Result<(), DriverError>;
     /// Deletes it with its storage; deleting a missing one is not an error.
     async fn delete(&self, name: &str) -> Result<(), DriverError>;
+    /// Environments of this driver that end on their own, as they end, so a worker
+    /// reacts at once instead of at its next sweep. `None`: the driver cannot watch
+    /// (the sweep alone notices).
+    async fn changes(&self) -> Result<Option<Changes>, DriverError> {
+        Ok(None)
+    }
 }
 
-/// The environment name for an assignment: DNS-1123-safe, as Pods and containers need.
-pub fn environment_name(assignment_id: &str) -> String {
-    let name: String = assignment_id
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' })
-        .collect();
-    format!("gdr-{}", name.trim_matches('-'))
+/// Whether an error is worth retrying (the backend is unavailable) or final (the
+/// backend refused this environment: retrying cannot help, the task must fail).
+impl DriverError {
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, DriverError::Refused { .. })
+    }
 }
 
-pub fn labels_for(assignment_id: &str, placement: Placement) -> BTreeMap<String, String> {
+/// The installation a controller belongs to: 8 hex digits of the Gitea URL's hash.
+/// Task ids are Gitea's, so two controllers for two Gitea instances on one Docker host
+/// (or one Kubernetes namespace) would otherwise name their environments alike — and
+/// adopt, or delete as orphans, each other's.
+pub fn instance_of(gitea_url: &str) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, gitea_url.trim_end_matches('/').as_bytes());
+    digest.as_ref()[..4].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The environment name for an assignment of an installation: DNS-1123-safe, as Pods
+/// and containers need.
+pub fn environment_name(instance: &str, assignment_id: &str) -> String {
+    let name: String = assignment_id.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+    if instance.is_empty() { format!("gdr-{}", name.trim_matches('-')) } else { format!("gdr-{instance}-{}", name.trim_matches('-')) }
+}
+
+/// Recovery labels of an environment.
+pub fn labels_for(instance: &str, assignment_id: &str, placement: Placement) -> BTreeMap<String, String> {
     BTreeMap::from([
         (LABEL_MANAGED.to_owned(), "true".to_owned()),
+        (LABEL_INSTANCE.to_owned(), instance.to_owned()),
         (LABEL_ASSIGNMENT.to_owned(), assignment_id.to_owned()),
         (LABEL_PLACEMENT.to_owned(), placement.to_string()),
     ])
+}
+
+/// The listing selector of one installation's environments of one placement.
+pub fn selector(instance: &str, placement: Placement) -> BTreeMap<String, String> {
+    BTreeMap::from([(LABEL_INSTANCE.to_owned(), instance.to_owned()), (LABEL_PLACEMENT.to_owned(), placement.to_string())])
 }
 
 #[cfg(test)]
@@ -102,9 +143,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_are_derived_from_the_assignment() {
-        assert_eq!(environment_name("gitea-task-42"), "gdr-gitea-task-42");
-        assert_eq!(environment_name("gitea-task-42"), environment_name("gitea-task-42"));
-        assert_ne!(environment_name("gitea-task-42"), environment_name("gitea-task-43"));
+    fn names_are_derived_from_the_installation_and_the_assignment() {
+        let instance = instance_of("https://gitea.example.com/");
+        assert_eq!(instance, instance_of("https://gitea.example.com"));
+        assert_eq!(instance.len(), 8);
+        assert_ne!(instance, instance_of("https://gitea.other.example"));
+        assert_eq!(environment_name(&instance, "gitea-task-42"), format!("gdr-{instance}-gitea-task-42"));
+        assert_ne!(environment_name(&instance, "gitea-task-42"), environment_name(&instance, "gitea-task-43"));
+        assert_ne!(environment_name(&instance, "gitea-task-42"), environment_name(&instance_of("http://other"), "gitea-task-42"));
+        assert!(environment_name(&instance, &format!("gitea-task-{}", i64::MAX)).len() <= 63, "DNS-1123 labels are at most 63 characters");
     }
 }

@@ -35,6 +35,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::{Consumer, Delivery, Record, Store, StoreError, Versioned};
+use crate::assignment::Placement;
 
 /// assignment id → (revision, record as JSON).
 const RECORDS: TableDefinition<&str, (u64, &[u8])> = TableDefinition::new("records");
@@ -52,14 +53,12 @@ pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 pub struct Embedded {
     shared: Arc<Shared>,
     ack_wait: Duration,
+    leases: Mutex<HashMap<String, super::Lease>>,
 }
 
 impl std::fmt::Debug for Embedded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Embedded")
-            .field("path", &self.shared.path)
-            .field("ack_wait", &self.ack_wait)
-            .finish_non_exhaustive()
+        f.debug_struct("Embedded").field("path", &self.shared.path).field("ack_wait", &self.ack_wait).finish_non_exhaustive()
     }
 }
 
@@ -90,6 +89,7 @@ impl Embedded {
                 notify: Notify::new(),
             }),
             ack_wait: DEFAULT_ACK_WAIT,
+            leases: Mutex::new(HashMap::new()),
         })
     }
 
@@ -174,10 +174,7 @@ where
     T: Send + 'static,
     F: FnOnce() -> Result<T, StoreError> + Send + 'static,
 {
-    tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Unavailable {
-        context: format!("redb {what}: blocking task failed"),
-        source: Box::new(e),
-    })?
+    tokio::task::spawn_blocking(f).await.map_err(|e| StoreError::Unavailable { context: format!("redb {what}: blocking task failed"), source: Box::new(e) })?
 }
 
 /// Adds a context to redb errors.
@@ -196,8 +193,7 @@ fn decode(key: &str, bytes: &[u8]) -> Result<Record, StoreError> {
 }
 
 fn encode(record: &Record) -> Result<Vec<u8>, StoreError> {
-    serde_json::to_vec(record)
-        .map_err(|e| StoreError::Corrupt { key: record.assignment_id.clone(), reason: format!("cannot encode: {e}") })
+    serde_json::to_vec(record).map_err(|e| StoreError::Corrupt { key: record.assignment_id.clone(), reason: format!("cannot encode: {e}") })
 }
 
 /// The transition rule shared by both backends: a record may move along
@@ -208,11 +204,7 @@ pub(super) fn check_transition(current: &Record, next: &Record) -> Result<(), St
     if same_state || current.state.can_become(&next.state) {
         Ok(())
     } else {
-        Err(StoreError::InvalidTransition {
-            assignment_id: next.assignment_id.clone(),
-            from: current.state.clone(),
-            to: next.state.clone(),
-        })
+        Err(StoreError::InvalidTransition { assignment_id: next.assignment_id.clone(), from: current.state.clone(), to: next.state.clone() })
     }
 }
 
@@ -244,7 +236,7 @@ fn persist_batch_blocking(db: &Database, batch: Vec<PendingPersist>) {
                 }
                 records.insert(id, (1, pending.value.as_slice())).ctx(what)?;
                 seq += 1;
-                queue.insert((pending.record.placement.as_str(), seq), (id, 0)).ctx(what)?;
+                queue.insert((pending.record.placement.to_string().as_str(), seq), (id, 0)).ctx(what)?;
                 created.push(true);
             }
             meta.insert(QUEUE_SEQ, seq).ctx(what)?;
@@ -339,11 +331,7 @@ impl Store for Embedded {
     async fn persist(&self, record: &Record) -> Result<bool, StoreError> {
         let value = encode(record)?;
         let (reply, outcome) = tokio::sync::oneshot::channel();
-        self.shared
-            .batch
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(PendingPersist { record: record.clone(), value, reply });
+        self.shared.batch.lock().unwrap_or_else(PoisonError::into_inner).push(PendingPersist { record: record.clone(), value, reply });
         {
             let _committer = self.shared.committer.lock().await;
             let batch = std::mem::take(&mut *self.shared.batch.lock().unwrap_or_else(PoisonError::into_inner));
@@ -405,7 +393,37 @@ impl Store for Embedded {
     /// Entries of the placement that were never delivered: the same figure as the
     /// JetStream consumer's `num_pending` (entries given back with `nak` or waiting for
     /// redelivery are not counted).
-    async fn queue_depth(&self, placement: &str) -> Result<u64, StoreError> {
+    async fn lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
+        // One process owns a redb file, so the leases live in memory.
+        let now = super::now_ms();
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        match leases.get(name) {
+            Some(lease) if lease.holder != holder && lease.expires_at_ms > now => Ok(false),
+            _ => {
+                leases.insert(
+                    name.to_owned(),
+                    super::Lease { holder: holder.to_owned(), expires_at_ms: now + i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX) },
+                );
+                Ok(true)
+            }
+        }
+    }
+
+    async fn healthy(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn release_lease(&self, name: &str, holder: &str) -> Result<(), StoreError> {
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        if leases.get(name).is_some_and(|l| l.holder == holder) {
+            leases.remove(name);
+        }
+        Ok(())
+    }
+
+    async fn queue_depth(&self, placement: Placement) -> Result<u64, StoreError> {
+        let placement = placement.to_string();
+        let placement = placement.as_str();
         // Inline read transaction (see the module docs); a linear scan of one placement's
         // range, which holds at most the assignments waiting for that pool.
         let what = || format!("counting the queue of {placement}");
@@ -421,18 +439,15 @@ impl Store for Embedded {
         Ok(depth)
     }
 
-    async fn consumer(&self, placement: &str, max_in_flight: usize) -> Result<Box<dyn Consumer>, StoreError> {
+    async fn consumer(&self, placement: Placement, max_in_flight: usize) -> Result<Box<dyn Consumer>, StoreError> {
+        let placement = placement.to_string();
+        let placement = placement.as_str();
         // At least one: a consumer that may hold nothing would never deliver.
         let max_in_flight = max_in_flight.max(1);
         self.shared.flights().limits.insert(placement.to_owned(), max_in_flight);
         // A raised limit may allow deliveries that waiting consumers could not take.
         self.shared.notify.notify_waiters();
-        Ok(Box::new(EmbeddedConsumer {
-            shared: Arc::clone(&self.shared),
-            placement: placement.to_owned(),
-            max_in_flight,
-            ack_wait: self.ack_wait,
-        }))
+        Ok(Box::new(EmbeddedConsumer { shared: Arc::clone(&self.shared), placement: placement.to_owned(), max_in_flight, ack_wait: self.ack_wait }))
     }
 }
 
@@ -486,14 +501,9 @@ impl EmbeddedConsumer {
         let placement = self.placement.clone();
         let counted = blocking("delivery", move || count_delivery(&shared.db, &placement, seq)).await;
         match counted {
-            Ok(Some(attempt)) => Ok(Take::Got(EmbeddedDelivery {
-                shared: Arc::clone(&self.shared),
-                placement: self.placement.clone(),
-                seq,
-                token,
-                assignment_id,
-                attempt,
-            })),
+            Ok(Some(attempt)) => {
+                Ok(Take::Got(EmbeddedDelivery { shared: Arc::clone(&self.shared), placement: self.placement.clone(), seq, token, assignment_id, attempt }))
+            }
             other => {
                 // Acknowledged meanwhile (a late ack of an earlier delivery), or the count
                 // failed: release the slot so the entry is not stuck until the ack wait.
@@ -600,12 +610,15 @@ mod tests {
     fn record(state: State) -> Record {
         Record {
             assignment_id: "gitea-task-1".into(),
-            placement: "container.docker".into(),
+            placement: crate::assignment::Placement::CONTAINER_DOCKER,
             state,
             envelope: vec![],
             environment: None,
             updated_at_ms: 0,
             created_at_ms: 0,
+            runner: String::new(),
+            phase: None,
+            timeline: Vec::new(),
         }
     }
 

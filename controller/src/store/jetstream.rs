@@ -16,15 +16,19 @@ use async_nats::jetstream::{
     self, AckKind,
     consumer::{self, AckPolicy, PullConsumer},
     context::ConsumerInfoErrorKind,
+    kv::{self, CreateErrorKind, UpdateErrorKind},
     message::PublishMessage,
-    kv::{self, CreateErrorKind, Operation, UpdateErrorKind},
-    stream::{self, RetentionPolicy, StorageType},
+    stream::{self, LastRawMessageErrorKind, RetentionPolicy, StorageType},
 };
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
 
 use super::{Consumer, Delivery, Record, State, Store, StoreError, Versioned, embedded::check_transition};
+use crate::assignment::Placement;
+
+/// The header a KV delete or purge marker carries (the value is `DEL` or `PURGE`).
+const KV_OPERATION: &str = "KV-Operation";
 
 /// How long the stream remembers a `Nats-Msg-Id`. Longer than JetStream's default of
 /// two minutes so that a persist repeated well after a crash (a controller that was
@@ -40,6 +44,7 @@ pub struct JetStream {
     context: jetstream::Context,
     stream: stream::Stream<()>,
     kv: kv::Store,
+    leases: kv::Store,
     base: String,
     stream_name: String,
     bucket: String,
@@ -70,17 +75,76 @@ where
 /// whitespace.
 #[must_use]
 pub fn stream_name(base: &str) -> String {
-    base.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c.to_ascii_uppercase() } else { '_' })
-        .collect()
+    base.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c.to_ascii_uppercase() } else { '_' }).collect()
 }
 
 /// `container.docker` → `worker-container-docker`: consumer names may not contain `.`.
 #[must_use]
 pub fn consumer_name(placement: &str) -> String {
-    let tail: String =
-        placement.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '-' }).collect();
+    let tail: String = placement.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '-' }).collect();
     format!("worker-{tail}")
+}
+
+/// How long opening the store waits for a cluster that times out JetStream requests.
+const SET_UP_PATIENCE: Duration = Duration::from_secs(60);
+
+/// Creates (or updates) the stream and both buckets.
+async fn set_up(
+    context: &jetstream::Context,
+    stream_name: &str,
+    base_subject: &str,
+    bucket: &str,
+    replicas: usize,
+) -> Result<(stream::Stream<()>, kv::Store, kv::Store), StoreError> {
+    context
+        .create_or_update_stream(stream::Config {
+            name: stream_name.to_owned(),
+            subjects: vec![format!("{base_subject}.>")],
+            retention: RetentionPolicy::WorkQueue,
+            storage: StorageType::File,
+            duplicate_window: DUPLICATE_WINDOW,
+            num_replicas: replicas,
+            description: Some("gitea-dynamic-runner assignments, one subject per placement".into()),
+            ..Default::default()
+        })
+        .await
+        .map_err(unavailable(format!("creating or updating stream {stream_name} over {base_subject}.>")))?;
+    let stream = context.get_stream_no_info(stream_name).await.map_err(unavailable(format!("opening stream {stream_name}")))?;
+
+    let kv = context
+        .create_or_update_key_value(kv::Config {
+            bucket: bucket.to_owned(),
+            description: "gitea-dynamic-runner assignment records".into(),
+            // Compare-and-set needs only the latest value.
+            history: 1,
+            storage: StorageType::File,
+            num_replicas: replicas,
+            ..Default::default()
+        })
+        .await
+        .map_err(unavailable(format!("creating or updating KV bucket {bucket}")))?;
+    let leases_bucket = format!("{bucket}-leases");
+    let leases = context
+        .create_or_update_key_value(kv::Config {
+            bucket: leases_bucket.clone(),
+            description: "gitea-dynamic-runner leases (one active scheduler per registration)".into(),
+            history: 1,
+            storage: StorageType::File,
+            num_replicas: replicas,
+            ..Default::default()
+        })
+        .await
+        .map_err(unavailable(format!("creating or updating KV bucket {leases_bucket}")))?;
+
+    Ok((stream, kv, leases))
+}
+
+/// A timeout or a temporarily unavailable JetStream, which a retry can outlast. The
+/// client folds these into different error kinds per request (a KV bucket's creation
+/// wraps its stream's), so the cause is recognised by its text.
+fn is_transient(error: &StoreError) -> bool {
+    let text = crate::error_chain(error);
+    ["timed out", "temporarily unavailable", "no responders"].iter().any(|needle| text.contains(needle))
 }
 
 impl JetStream {
@@ -90,52 +154,47 @@ impl JetStream {
     /// `Unavailable` when the server cannot be reached or refuses the stream or bucket
     /// (e.g. a stream of that name exists with a configuration that cannot be updated).
     pub async fn connect(url: &str, base_subject: &str, bucket: &str, ack_wait: Duration) -> Result<Self, StoreError> {
+        Self::connect_replicated(url, base_subject, bucket, ack_wait, 1).await
+    }
+
+    /// [`JetStream::connect`] with `replicas` copies of the stream and the buckets (3 on a
+    /// three-node cluster survives the loss of one node). `url` may list several servers,
+    /// comma-separated; the client fails over between them.
+    ///
+    /// # Errors
+    /// As [`JetStream::connect`]; also an unparsable server address.
+    pub async fn connect_replicated(url: &str, base_subject: &str, bucket: &str, ack_wait: Duration, replicas: usize) -> Result<Self, StoreError> {
+        let servers: Vec<async_nats::ServerAddr> = url
+            .split(',')
+            .map(|server| server.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<_, _>>()
+            .map_err(unavailable(format!("reading the NATS server list {url}")))?;
         let client = async_nats::ConnectOptions::new()
             .name("gitea-dynamic-runner controller")
-            .connect(url)
+            .retry_on_initial_connect()
+            .connect(servers)
             .await
             .map_err(unavailable(format!("connecting to NATS at {url}")))?;
         let context = jetstream::new(client);
 
         let stream_name = stream_name(base_subject);
-        context
-            .create_or_update_stream(stream::Config {
-                name: stream_name.clone(),
-                subjects: vec![format!("{base_subject}.>")],
-                retention: RetentionPolicy::WorkQueue,
-                storage: StorageType::File,
-                duplicate_window: DUPLICATE_WINDOW,
-                description: Some("gitea-dynamic-runner assignments, one subject per placement".into()),
-                ..Default::default()
-            })
-            .await
-            .map_err(unavailable(format!("creating or updating stream {stream_name} over {base_subject}.>")))?;
-        let stream = context
-            .get_stream_no_info(&stream_name)
-            .await
-            .map_err(unavailable(format!("opening stream {stream_name}")))?;
-
-        let kv = context
-            .create_or_update_key_value(kv::Config {
-                bucket: bucket.to_owned(),
-                description: "gitea-dynamic-runner assignment records".into(),
-                // Compare-and-set needs only the latest value.
-                history: 1,
-                storage: StorageType::File,
-                ..Default::default()
-            })
-            .await
-            .map_err(unavailable(format!("creating or updating KV bucket {bucket}")))?;
-
-        Ok(Self {
-            context,
-            stream,
-            kv,
-            base: base_subject.to_owned(),
-            stream_name,
-            bucket: bucket.to_owned(),
-            ack_wait,
-        })
+        // A cluster that is electing leaders (a node just restarted) times out JetStream
+        // requests for a few seconds: keep trying for a while instead of exiting, and fail
+        // at once on anything else (a stream of that name with another configuration…).
+        let deadline = std::time::Instant::now() + SET_UP_PATIENCE;
+        let mut pause = Duration::from_millis(250);
+        let (stream, kv, leases) = loop {
+            match set_up(&context, &stream_name, base_subject, bucket, replicas).await {
+                Ok(handles) => break handles,
+                Err(error) if is_transient(&error) && std::time::Instant::now() + pause < deadline => {
+                    tracing::warn!(url, "JetStream is not answering yet (a cluster electing its leaders?); retrying: {}", crate::error_chain(&error));
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(4));
+                }
+                Err(error) => return Err(error),
+            }
+        };
+        Ok(Self { context, stream, kv, leases, base: base_subject.to_owned(), stream_name, bucket: bucket.to_owned(), ack_wait })
     }
 
     fn subject(&self, placement: &str) -> String {
@@ -148,12 +207,7 @@ impl JetStream {
         let publish = PublishMessage::build().message_id(assignment_id).payload(Bytes::from(assignment_id.to_owned()));
         // The ack says the stream stored it (or that it was a duplicate of a stored
         // message within the window, which is just as good).
-        self.context
-            .send_publish(subject.clone(), publish)
-            .await
-            .map_err(unavailable(what()))?
-            .await
-            .map_err(unavailable(what()))?;
+        self.context.send_publish(subject.clone(), publish).await.map_err(unavailable(what()))?.await.map_err(unavailable(what()))?;
         Ok(())
     }
 }
@@ -163,9 +217,7 @@ fn decode(key: &str, bytes: &[u8]) -> Result<Record, StoreError> {
 }
 
 fn encode(record: &Record) -> Result<Bytes, StoreError> {
-    serde_json::to_vec(record)
-        .map(Bytes::from)
-        .map_err(|e| StoreError::Corrupt { key: record.assignment_id.clone(), reason: format!("cannot encode: {e}") })
+    serde_json::to_vec(record).map(Bytes::from).map_err(|e| StoreError::Corrupt { key: record.assignment_id.clone(), reason: format!("cannot encode: {e}") })
 }
 
 #[async_trait]
@@ -182,7 +234,7 @@ impl Store for JetStream {
             Err(e) => return Err(unavailable(format!("creating record {id} in bucket {}", self.bucket))(e)),
         };
         let placement = if created {
-            record.placement.clone()
+            record.placement
         } else {
             match self.get(id).await? {
                 // The stored record decides: it is the one the worker will read.
@@ -191,23 +243,37 @@ impl Store for JetStream {
                 _ => return Ok(false),
             }
         };
-        self.publish(&placement, id).await?;
+        self.publish(&placement.to_string(), id).await?;
         Ok(created)
     }
 
     async fn get(&self, assignment_id: &str) -> Result<Option<Versioned<Record>>, StoreError> {
-        let entry = self
-            .kv
-            .entry(assignment_id)
-            .await
-            .map_err(unavailable(format!("reading record {assignment_id} from bucket {}", self.bucket)))?;
+        // Any replica may answer a KV read (direct get), and one that has not yet applied
+        // the scheduler's put answers "no record": the worker then dropped the queued
+        // assignment and the task never ran (found by the kill campaign on a three-node
+        // cluster). A present record may be a little old — every write is a
+        // compare-and-set the leader checks — but "absent" is confirmed by the leader.
+        let entry = self.kv.entry(assignment_id).await.map_err(unavailable(format!("reading record {assignment_id} from bucket {}", self.bucket)))?;
         match entry {
-            Some(entry) if entry.operation == Operation::Put => {
-                Ok(Some(Versioned { value: decode(assignment_id, &entry.value)?, revision: entry.revision }))
+            Some(entry) if entry.operation == kv::Operation::Put => {
+                return Ok(Some(Versioned { value: decode(assignment_id, &entry.value)?, revision: entry.revision }));
             }
-            // Deleted or purged keys read as absent.
-            _ => Ok(None),
+            _ => {}
         }
+        let subject = format!("{}{assignment_id}", self.kv.prefix);
+        let message = match self.kv.stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(message) => message,
+            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+            Err(error) => {
+                return Err(unavailable(format!("confirming with the leader that record {assignment_id} is absent from bucket {}", self.bucket))(error));
+            }
+        };
+        // Deleted or purged keys read as absent.
+        let operation = message.headers.get(KV_OPERATION).map(|v| v.as_str().to_owned());
+        if operation.as_deref().is_some_and(|op| op == "DEL" || op == "PURGE") {
+            return Ok(None);
+        }
+        Ok(Some(Versioned { value: decode(assignment_id, &message.payload)?, revision: message.sequence }))
     }
 
     async fn update(&self, record: &Record, expected: u64) -> Result<u64, StoreError> {
@@ -221,22 +287,66 @@ impl Store for JetStream {
         check_transition(&current.value, record)?;
         match self.kv.update(id, encode(record)?, expected).await {
             Ok(revision) => Ok(revision),
-            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
-                Err(StoreError::Conflict { assignment_id: id.clone(), expected })
-            }
+            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Err(StoreError::Conflict { assignment_id: id.clone(), expected }),
             Err(e) => Err(unavailable(format!("updating record {id} at revision {expected}"))(e)),
         }
     }
 
+    async fn lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let what = || format!("the lease {name}");
+        let now = super::now_ms();
+        let next = serde_json::to_vec(&super::Lease { holder: holder.to_owned(), expires_at_ms: now + i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX) })
+            .map_err(|e| StoreError::Corrupt { key: name.to_owned(), reason: e.to_string() })?;
+        let current = self.leases.entry(name).await.map_err(unavailable(what()))?;
+        let outcome = match current.filter(|e| e.operation == kv::Operation::Put) {
+            None => self.leases.create(name, next.into()).await.map(|_| ()).map_err(|e| e.to_string()),
+            Some(entry) => {
+                let lease: super::Lease =
+                    serde_json::from_slice(&entry.value).map_err(|e| StoreError::Corrupt { key: name.to_owned(), reason: e.to_string() })?;
+                if lease.holder != holder && lease.expires_at_ms > now {
+                    return Ok(false);
+                }
+                self.leases.update(name, next.into(), entry.revision).await.map(|_| ()).map_err(|e| e.to_string())
+            }
+        };
+        // Losing the compare-and-set means another holder took it first.
+        Ok(outcome.is_ok())
+    }
+
+    async fn healthy(&self) -> Result<(), StoreError> {
+        // A write, because only a write needs a quorum: a node cut off from the rest keeps
+        // answering reads (stream info included) until its leaderships time out.
+        let key = "health";
+        self.leases
+            .put(key, Bytes::from(super::now_ms().to_string()))
+            .await
+            .map(|_| ())
+            .map_err(unavailable(format!("writing {key} to bucket {}-leases (a write needs a JetStream quorum)", self.bucket)))
+    }
+
+    async fn release_lease(&self, name: &str, holder: &str) -> Result<(), StoreError> {
+        let what = || format!("the lease {name}");
+        if let Some(entry) = self.leases.entry(name).await.map_err(unavailable(what()))?
+            && entry.operation == kv::Operation::Put
+            && serde_json::from_slice::<super::Lease>(&entry.value).is_ok_and(|l| l.holder == holder)
+        {
+            let _ = self.leases.delete_expect_revision(name, Some(entry.revision)).await;
+        }
+        Ok(())
+    }
+
     async fn list(&self) -> Result<Vec<Versioned<Record>>, StoreError> {
-        let what = || format!("listing keys of bucket {}", self.bucket);
-        let keys: Vec<String> =
-            self.kv.keys().await.map_err(unavailable(what()))?.try_collect().await.map_err(unavailable(what()))?;
-        let records: Vec<Option<Versioned<Record>>> = futures_util::stream::iter(keys)
-            .map(|key| async move { self.get(&key).await })
-            .buffered(LIST_CONCURRENCY)
-            .try_collect()
-            .await?;
+        // The keys come from the bucket stream's subjects as its leader reports them:
+        // `kv.keys()` reads through an ephemeral consumer that may sit on a replica still
+        // catching up after a restart, and a record written a moment ago was then missing
+        // from the list (found by the cluster test after two nodes came back).
+        let what = || format!("listing keys of bucket {} (from its stream leader)", self.bucket);
+        let prefix = self.kv.prefix.as_str();
+        let subjects: Vec<(String, usize)> =
+            self.kv.stream.info_with_subjects(format!("{prefix}>")).await.map_err(unavailable(what()))?.try_collect().await.map_err(unavailable(what()))?;
+        let keys: Vec<String> = subjects.into_iter().filter_map(|(subject, _)| subject.strip_prefix(prefix).map(str::to_owned)).collect();
+        let records: Vec<Option<Versioned<Record>>> =
+            futures_util::stream::iter(keys).map(|key| async move { self.get(&key).await }).buffered(LIST_CONCURRENCY).try_collect().await?;
         // A key deleted between listing and reading is simply gone.
         Ok(records.into_iter().flatten().collect())
     }
@@ -244,21 +354,17 @@ impl Store for JetStream {
     /// The placement consumer's `num_pending`: messages on its subject not yet delivered
     /// (given-back and redelivery-pending ones are not counted). Before that consumer
     /// exists nothing was delivered, so it is the number of messages on the subject.
-    async fn queue_depth(&self, placement: &str) -> Result<u64, StoreError> {
+    async fn queue_depth(&self, placement: Placement) -> Result<u64, StoreError> {
+        let placement = placement.to_string();
+        let placement = placement.as_str();
         let name = consumer_name(placement);
         match self.stream.consumer_info(&name).await {
             Ok(info) => Ok(info.num_pending),
             Err(e) if matches!(e.kind(), ConsumerInfoErrorKind::NotFound) => {
                 let subject = self.subject(placement);
                 let what = || format!("counting messages on {subject}");
-                let counts: Vec<(String, usize)> = self
-                    .stream
-                    .info_with_subjects(&subject)
-                    .await
-                    .map_err(unavailable(what()))?
-                    .try_collect()
-                    .await
-                    .map_err(unavailable(what()))?;
+                let counts: Vec<(String, usize)> =
+                    self.stream.info_with_subjects(&subject).await.map_err(unavailable(what()))?.try_collect().await.map_err(unavailable(what()))?;
                 let count: usize = counts.into_iter().filter(|(s, _)| *s == subject).map(|(_, n)| n).sum();
                 Ok(u64::try_from(count).unwrap_or(u64::MAX))
             }
@@ -268,7 +374,9 @@ impl Store for JetStream {
 
     /// Creates the durable consumer, or updates it to this `max_in_flight` and the
     /// store's ack wait (the server's create action is create-or-update).
-    async fn consumer(&self, placement: &str, max_in_flight: usize) -> Result<Box<dyn Consumer>, StoreError> {
+    async fn consumer(&self, placement: Placement, max_in_flight: usize) -> Result<Box<dyn Consumer>, StoreError> {
+        let placement = placement.to_string();
+        let placement = placement.as_str();
         let name = consumer_name(placement);
         let config = consumer::pull::Config {
             durable_name: Some(name.clone()),
@@ -280,11 +388,8 @@ impl Store for JetStream {
             max_ack_pending: i64::try_from(max_in_flight.max(1)).unwrap_or(i64::MAX),
             ..Default::default()
         };
-        let consumer = self
-            .stream
-            .create_consumer(config)
-            .await
-            .map_err(unavailable(format!("creating or updating consumer {name} on stream {}", self.stream_name)))?;
+        let consumer =
+            self.stream.create_consumer(config).await.map_err(unavailable(format!("creating or updating consumer {name} on stream {}", self.stream_name)))?;
         Ok(Box::new(JetStreamConsumer { consumer, name }))
     }
 }
@@ -355,17 +460,14 @@ impl Delivery for JetStreamDelivery {
 
     /// Not confirmed by the server; if it is lost the ack wait redelivers anyway.
     async fn nak(self: Box<Self>, delay: Duration) -> Result<(), StoreError> {
-        self.message.ack_with(AckKind::Nak(Some(delay))).await.map_err(|source| StoreError::Unavailable {
-            context: format!("giving back {} for {delay:?}", self.assignment_id),
-            source,
-        })
+        self.message
+            .ack_with(AckKind::Nak(Some(delay)))
+            .await
+            .map_err(|source| StoreError::Unavailable { context: format!("giving back {} for {delay:?}", self.assignment_id), source })
     }
 
     async fn ack(self: Box<Self>) -> Result<(), StoreError> {
-        self.message.double_ack().await.map_err(|source| StoreError::Unavailable {
-            context: format!("acknowledging {}", self.assignment_id),
-            source,
-        })
+        self.message.double_ack().await.map_err(|source| StoreError::Unavailable { context: format!("acknowledging {}", self.assignment_id), source })
     }
 }
 

@@ -20,6 +20,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use crate::assignment::Placement;
+
 /// Where an assignment is in its life. Transitions: Pending → Claimed → Terminal, or
 /// Pending → Terminal (failed before a claim, cancelled while waiting).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,17 +29,19 @@ use serde::{Deserialize, Serialize};
 pub enum State {
     Pending,
     /// `holder` is the supervisor instance that claimed it; `claimed_at_ms` is Unix ms.
-    Claimed { holder: String, claimed_at_ms: i64 },
+    Claimed {
+        holder: String,
+        claimed_at_ms: i64,
+    },
     /// `result` is Gitea's final result name, e.g. `RESULT_SUCCESS`.
-    Terminal { result: String },
+    Terminal {
+        result: String,
+    },
 }
 
 impl State {
     pub fn can_become(&self, next: &State) -> bool {
-        matches!(
-            (self, next),
-            (State::Pending, State::Claimed { .. } | State::Terminal { .. }) | (State::Claimed { .. }, State::Terminal { .. })
-        )
+        matches!((self, next), (State::Pending, State::Claimed { .. } | State::Terminal { .. }) | (State::Claimed { .. }, State::Terminal { .. }))
     }
 }
 
@@ -46,8 +50,12 @@ impl State {
 pub struct Record {
     /// `gitea-task-<task id>`: the dedup key everywhere.
     pub assignment_id: String,
-    /// `<class>.<driver>`, e.g. `container.docker`.
-    pub placement: String,
+    /// Where it runs; stored as its name, e.g. `"container.docker"`.
+    pub placement: Placement,
+    /// The uuid of the Gitea runner registration that fetched the task: Gitea accepts
+    /// reports on it from that runner only. Empty for tasks that are not Gitea's.
+    #[serde(default)]
+    pub runner: String,
     pub state: State,
     /// The versioned assignment envelope (holds the full protobuf Task).
     pub envelope: Vec<u8>,
@@ -58,6 +66,43 @@ pub struct Record {
     /// and claim-latency measurements.
     #[serde(default)]
     pub created_at_ms: i64,
+    /// The environment's last reported phase, with its detail (e.g. `failed: dockerd:
+    /// …`): part of the reason when the environment ends before its job.
+    #[serde(default)]
+    pub phase: Option<String>,
+    /// When the environment reached each phase (`claimed`, `docker_ready`, …; Unix ms),
+    /// in the order reported: where a job's start-up time went.
+    #[serde(default)]
+    pub timeline: Vec<(String, i64)>,
+}
+
+impl Record {
+    /// A new pending record for a fetched task.
+    pub fn pending(assignment_id: &str, placement: Placement, runner: &str, envelope: Vec<u8>, fetched_at_ms: i64) -> Record {
+        Record {
+            assignment_id: assignment_id.to_owned(),
+            placement,
+            runner: runner.to_owned(),
+            state: State::Pending,
+            envelope,
+            environment: None,
+            updated_at_ms: now_ms(),
+            created_at_ms: fetched_at_ms,
+            phase: None,
+            timeline: Vec::new(),
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.state, State::Terminal { .. })
+    }
+}
+
+/// A lease as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub holder: String,
+    pub expires_at_ms: i64,
 }
 
 /// A record with the revision it was read at, for compare-and-set.
@@ -99,6 +144,29 @@ impl StoreError {
     }
 }
 
+/// Re-reads and rewrites a record until the compare-and-set wins: `change` gets the
+/// current record and returns the next one, or `None` to leave it as it is. Returns
+/// the record as stored afterwards (`None` if there is no such record).
+///
+/// # Errors
+/// A store failure other than a lost compare-and-set, or a refused transition.
+pub async fn modify(
+    store: &dyn Store,
+    assignment_id: &str,
+    mut change: impl FnMut(&Record) -> Option<Record> + Send,
+) -> Result<Option<Versioned<Record>>, StoreError> {
+    loop {
+        let Some(current) = store.get(assignment_id).await? else { return Ok(None) };
+        let Some(mut next) = change(&current.value) else { return Ok(Some(current)) };
+        next.updated_at_ms = now_ms();
+        match store.update(&next, current.revision).await {
+            Ok(revision) => return Ok(Some(Versioned { value: next, revision })),
+            Err(StoreError::Conflict { .. }) => {}
+            Err(error) => return Err(error),
+        }
+    }
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + std::fmt::Debug {
     /// Persists a new assignment: creates its record (normally Pending) if absent and
@@ -118,13 +186,24 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// Every record (for keep-alive and recovery).
     async fn list(&self) -> Result<Vec<Versioned<Record>>, StoreError>;
 
+    /// Takes or renews the lease `name` for `holder` until `ttl` from now; false while
+    /// another holder's lease has not expired. (One scheduler per registration fetches at
+    /// a time: a second one waits and takes over when the first stops renewing.)
+    async fn lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError>;
+
+    /// Gives the lease up at once if `holder` holds it (a clean stop hands over sooner).
+    async fn release_lease(&self, name: &str, holder: &str) -> Result<(), StoreError>;
+
+    /// Whether the backend answers now (for `/readyz`).
+    async fn healthy(&self) -> Result<(), StoreError>;
+
     /// Messages waiting (not yet delivered) on a placement's queue.
-    async fn queue_depth(&self, placement: &str) -> Result<u64, StoreError>;
+    async fn queue_depth(&self, placement: Placement) -> Result<u64, StoreError>;
 
     /// The consumer of one placement's queue, with at most `max_in_flight`
     /// unacknowledged deliveries. Durable: a restarted process gets the same consumer,
     /// and deliveries that were never acknowledged come again (after their ack wait).
-    async fn consumer(&self, placement: &str, max_in_flight: usize) -> Result<Box<dyn Consumer>, StoreError>;
+    async fn consumer(&self, placement: Placement, max_in_flight: usize) -> Result<Box<dyn Consumer>, StoreError>;
 }
 
 #[async_trait]
@@ -146,7 +225,5 @@ pub trait Delivery: Send + Sync {
 
 /// Unix milliseconds now.
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

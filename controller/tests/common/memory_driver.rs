@@ -11,8 +11,8 @@ use std::{
 
 use async_trait::async_trait;
 use controller::{
+    assignment::Placement,
     driver::{Driver, DriverError, Environment, EnvironmentSpec, Phase},
-    placement::Placement,
 };
 
 #[derive(Debug, Default)]
@@ -39,7 +39,7 @@ impl MemoryDriver {
 }
 
 fn environment(spec: &EnvironmentSpec, phase: Phase) -> Environment {
-    Environment { name: spec.name.clone(), assignment_id: spec.assignment_id.clone(), labels: spec.labels.clone(), phase }
+    Environment { name: spec.name.clone(), assignment_id: spec.assignment_id.clone(), labels: spec.labels.clone(), phase, detail: String::new() }
 }
 
 #[async_trait]
@@ -71,11 +71,9 @@ impl Driver for MemoryDriver {
             .collect())
     }
 
-    async fn mark_terminal(&self, name: &str) -> Result<(), DriverError> {
-        if let Some(entry) = self.recorded.lock().unwrap().environments.get_mut(name) {
-            entry.1 = Phase::Terminal;
-        }
-        Ok(())
+    /// Like the real drivers: stops it and deletes it.
+    async fn stop(&self, name: &str) -> Result<(), DriverError> {
+        self.delete(name).await
     }
 
     async fn delete(&self, name: &str) -> Result<(), DriverError> {

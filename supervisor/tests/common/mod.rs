@@ -73,18 +73,11 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 
 /// The host pid of a process whose parent is `parent` (unshare's forked child).
 pub fn child_of(parent: u32) -> Option<u32> {
-    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+    std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?.split_whitespace().next()?.parse().ok()
 }
 
 pub fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|stat| !stat.contains(") Z "))
-        .unwrap_or(false)
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map(|stat| !stat.contains(") Z ")).unwrap_or(false)
 }
 
 pub fn quiet(command: &mut Command) -> &mut Command {

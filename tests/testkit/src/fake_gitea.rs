@@ -1,9 +1,18 @@
-//! A fake Gitea: a Connect server that follows shared/reference/gitea-runner-protocol.md
-//! — Register with a registration token, `x-runner-uuid`/`x-runner-token` on every
-//! other call (401 `unregistered runner` otherwise), Declare, FetchTask with
-//! tasks_version semantics and the labels ⊆ rule, UpdateTask (cancellation through
-//! the reply), UpdateLog (ack/no_more, gaps and duplicates not written) — and counts
-//! everything so tests can assert "executed exactly once, none lost".
+//! A fake Gitea, for fault injection only (outages, counts, cancellation at a chosen
+//! moment): everything else is tested against the real Gitea (`testkit::gitea`). Where
+//! tests rely on it, it answers as Gitea 1.23.8 does (routers/api/actions/runner):
+//! - errors are gRPC status errors that connect-go sends as `unknown` (HTTP 500) with
+//!   the text `rpc error: code = … desc = …` — the runner and the controller recognise
+//!   "unregistered runner" in that form;
+//! - FetchTask: tasks_version semantics and the labels ⊆ rule;
+//! - UpdateTask: only the runner that fetched a task may report on it; outputs are
+//!   stored on any call (first write wins) and `sent_outputs` lists every stored key;
+//!   a final result is kept with its `stopped_at`; a done task does not change and the
+//!   reply carries its result (CANCELLED after a cancel);
+//! - UpdateLog: the same ownership rule; rows are taken only at the stored length, and
+//!   an empty, gapped or duplicate request is answered with the length *before*
+//!   `no_more` is looked at (so only a valid final request seals the log);
+//! - it counts everything so tests can assert "executed exactly once, none lost".
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -14,8 +23,8 @@ use std::{
 use connect::{ConnectError, Request, Response, Router};
 use prost_types::{Struct, Value, value::Kind};
 use proto::runner::v1::{
-    DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest, RegisterResponse,
-    Result as TaskResult, Runner, Task, UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
+    DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest, RegisterResponse, Result as TaskResult, Runner, Task,
+    UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -50,10 +59,14 @@ pub struct TaskRecord {
     pub job: Option<Job>,
     pub runner_uuid: String,
     pub final_result: Option<i32>,
+    /// Seconds of the final state's `stopped_at` (0 when it carried none, as Gitea's
+    /// epoch default would show).
+    pub stopped_at: i64,
     pub updates: usize,
     pub log: Vec<String>,
     pub sealed: bool,
     pub cancelled: bool,
+    pub outputs: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Default)]
@@ -66,6 +79,9 @@ pub struct State {
     pub tasks: BTreeMap<i64, TaskRecord>,
     pub tasks_version: i64,
     pub fetches: usize,
+    /// FetchTask calls on which a task was looked for (the runner's tasks_version was
+    /// not the latest).
+    pub picks: usize,
     pub next_task_id: i64,
     /// FetchTask answers `unavailable` this many more times (outage simulation).
     pub fail_fetches: usize,
@@ -100,8 +116,14 @@ impl FakeGitea {
         state.tasks_version += 1;
     }
 
+    /// Cancels a running task as Gitea 1.23.8's cancel does: it is cancelled at once.
     pub fn cancel(&self, task_id: i64) {
-        self.state.lock().unwrap().tasks.entry(task_id).or_default().cancelled = true;
+        let mut state = self.state.lock().unwrap();
+        let record = state.tasks.entry(task_id).or_default();
+        record.cancelled = true;
+        if record.final_result.is_none() {
+            record.final_result = Some(TaskResult::Cancelled as i32);
+        }
     }
 
     pub fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
@@ -117,12 +139,17 @@ impl Drop for FakeGitea {
     }
 }
 
+/// An error as Gitea 1.23.8 sends a gRPC status through connect-go.
+pub fn grpc_style(code: &str, message: &str) -> ConnectError {
+    ConnectError::new(connect::Code::Unknown, format!("rpc error: code = {code} desc = {message}"))
+}
+
 fn authenticate<M>(state: &State, request: &Request<M>) -> Result<String, ConnectError> {
     let header = |name: &str| request.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
     let (uuid, token) = (header("x-runner-uuid"), header("x-runner-token"));
     match state.runners.get(&uuid) {
         Some((expected, _)) if *expected == token => Ok(uuid),
-        _ => Err(ConnectError::unauthenticated("unregistered runner")),
+        _ => Err(grpc_style("Unauthenticated", "unregistered runner")),
     }
 }
 
@@ -207,6 +234,7 @@ fn router(state: Arc<Mutex<State>>) -> Router {
                 if request.message.tasks_version == latest {
                     return Ok(Response::new(FetchTaskResponse { task: None, tasks_version: latest }));
                 }
+                state.picks += 1;
                 let labels = state.runners.get(&uuid).map(|r| r.1.clone()).unwrap_or_default();
                 let Some(index) = state.waiting.iter().position(|job| job.runs_on.iter().all(|l| labels.contains(l))) else {
                     return Ok(Response::new(FetchTaskResponse { task: None, tasks_version: latest }));
@@ -231,17 +259,22 @@ fn router(state: Arc<Mutex<State>>) -> Router {
                 let mut state = state.lock().unwrap();
                 let uuid = authenticate(&state, &request)?;
                 let task_state = request.message.state.unwrap_or_default();
-                let record = state.tasks.get_mut(&task_state.id).ok_or_else(|| ConnectError::new(connect::Code::NotFound, "task not found"))?;
+                let record = state.tasks.get_mut(&task_state.id).ok_or_else(|| grpc_style("Internal", "update task: task does not exist"))?;
                 if record.runner_uuid != uuid {
-                    return Err(ConnectError::permission_denied("invalid runner for task"));
+                    return Err(grpc_style("Internal", "update task: invalid runner for task"));
                 }
                 record.updates += 1;
                 if record.final_result.is_none() && task_state.result != TaskResult::Unspecified as i32 {
-                    record.final_result = Some(if record.cancelled { TaskResult::Cancelled as i32 } else { task_state.result });
+                    record.final_result = Some(task_state.result);
+                    record.stopped_at = task_state.stopped_at.map_or(0, |t| t.seconds);
                 }
-                let result = record.final_result.unwrap_or(if record.cancelled { TaskResult::Cancelled as i32 } else { TaskResult::Unspecified as i32 });
-                let mut sent: Vec<String> = request.message.outputs.into_keys().collect();
-                sent.sort();
+                for (key, value) in request.message.outputs {
+                    if key.len() <= 255 && value.len() <= 1 << 20 {
+                        record.outputs.entry(key).or_insert(value);
+                    }
+                }
+                let result = record.final_result.unwrap_or(TaskResult::Unspecified as i32);
+                let sent: Vec<String> = record.outputs.keys().cloned().collect();
                 Ok(Response::new(UpdateTaskResponse {
                     state: Some(proto::runner::v1::TaskState { id: task_state.id, result, ..Default::default() }),
                     sent_outputs: sent,
@@ -252,17 +285,21 @@ fn router(state: Arc<Mutex<State>>) -> Router {
             let state = Arc::clone(&s5);
             async move {
                 let mut state = state.lock().unwrap();
-                authenticate(&state, &request)?;
+                let uuid = authenticate(&state, &request)?;
                 let m = request.message;
-                let record = state.tasks.get_mut(&m.task_id).ok_or_else(|| ConnectError::new(connect::Code::NotFound, "task not found"))?;
-                let ack = record.log.len() as i64;
-                if !m.rows.is_empty() && m.index <= ack && m.index + m.rows.len() as i64 > ack {
-                    if record.sealed {
-                        return Err(ConnectError::new(connect::Code::AlreadyExists, "log file has been archived"));
-                    }
-                    let skip = (ack - m.index) as usize;
-                    record.log.extend(m.rows[skip..].iter().map(|r| r.content.clone()));
+                let record = state.tasks.get_mut(&m.task_id).ok_or_else(|| grpc_style("Internal", "get task: task does not exist"))?;
+                if record.runner_uuid != uuid {
+                    return Err(grpc_style("Internal", "invalid runner for task"));
                 }
+                let ack = record.log.len() as i64;
+                if m.rows.is_empty() || m.index > ack || m.index + m.rows.len() as i64 <= ack {
+                    return Ok(Response::new(UpdateLogResponse { ack_index: ack }));
+                }
+                if record.sealed {
+                    return Err(grpc_style("AlreadyExists", "log file has been archived"));
+                }
+                let skip = (ack - m.index) as usize;
+                record.log.extend(m.rows[skip..].iter().map(|r| r.content.clone()));
                 if m.no_more {
                     record.sealed = true;
                 }

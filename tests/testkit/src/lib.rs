@@ -1,9 +1,65 @@
 //! Test-only helpers shared by the workspace's tests (a dev-dependency only).
 //!
 //! - [`workload`]: a fake SPIFFE Workload API server, scripted by the test.
+//! - [`wait_until`]: waiting on a condition instead of a fixed sleep.
 //! - [`fake_gitea`]: a fake Gitea runner API that follows the protocol reference.
+//! - [`nats`]: a real nats-server with JetStream.
+//! - [`gitea`]: a REAL Gitea 1.23.8 server (built from pinned upstream sources by scripts/install-test-peers).
+//! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
 pub mod fake_gitea;
+pub mod gitea;
+pub mod nats;
+pub mod opensandbox;
 pub mod workload;
+
+use std::{path::PathBuf, time::Duration};
+
+/// Where `scripts/install-test-peers` keeps the peers: `$PEERS_CACHE`, default
+/// `~/.cache/gitea-dynamic-runner/peers`.
+pub fn peers_cache() -> PathBuf {
+    std::env::var_os("PEERS_CACHE")
+        .map_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into())).join(".cache/gitea-dynamic-runner/peers"), PathBuf::from)
+}
+
+/// A peer binary, `$PEERS_CACHE/bin/<name>`; panics with what to run when it is missing
+/// (a missing peer fails the test, it never skips it).
+pub fn peer(name: &str) -> PathBuf {
+    let path = peers_cache().join("bin").join(name);
+    assert!(path.exists(), "{} is missing: run scripts/install-test-peers", path.display());
+    path
+}
+
+/// Waits until `condition` holds, checking every 20 ms; panics after `timeout` with
+/// `what` (tests wait on conditions, never on fixed sleeps).
+pub async fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`wait_until`] for a condition that must itself await.
+pub async fn wait_until_async<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !condition().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// This process's resident memory in KiB (VmRSS of /proc/self/status), for tests and
+/// benchmarks that report or bound memory; 0 where it cannot be read.
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}

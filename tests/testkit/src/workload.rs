@@ -71,13 +71,7 @@ impl Ca {
         params.is_ca = IsCa::ExplicitNoCa;
         let issuer = Issuer::from_params(&self.params, &self.key);
         let cert = params.signed_by(&key, &issuer).unwrap();
-        X509svid {
-            spiffe_id: id.to_owned(),
-            x509_svid: cert.der().to_vec(),
-            x509_svid_key: key.serialize_der(),
-            bundle: self.der.clone(),
-            hint: String::new(),
-        }
+        X509svid { spiffe_id: id.to_owned(), x509_svid: cert.der().to_vec(), x509_svid_key: key.serialize_der(), bundle: self.der.clone(), hint: String::new() }
     }
 }
 
@@ -94,40 +88,26 @@ impl SpiffeWorkloadApi for Fake {
         }
         let ca = Arc::clone(&self.ca);
         // Every change of the offer is pushed as a full update; a refusal ends the stream.
-        let stream = WatchStream::new(self.offer.clone())
-            .take_while(|offer| *offer != Offer::Refuse)
-            .map(move |offer| match offer {
-                Offer::Ids(ids) => Ok(X509svidResponse {
-                    svids: ids.iter().map(|id| ca.svid(id)).collect(),
-                    ..Default::default()
-                }),
-                Offer::Refuse => Err(Status::permission_denied("no identity issued")),
-            });
+        let stream = WatchStream::new(self.offer.clone()).take_while(|offer| *offer != Offer::Refuse).map(move |offer| match offer {
+            Offer::Ids(ids) => Ok(X509svidResponse { svids: ids.iter().map(|id| ca.svid(id)).collect(), ..Default::default() }),
+            Offer::Refuse => Err(Status::permission_denied("no identity issued")),
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
     type FetchX509BundlesStream = Pin<Box<dyn Stream<Item = Result<proto::spiffe_workload::X509BundlesResponse, Status>> + Send>>;
 
-    async fn fetch_x509_bundles(
-        &self,
-        _: Request<proto::spiffe_workload::X509BundlesRequest>,
-    ) -> Result<Response<Self::FetchX509BundlesStream>, Status> {
+    async fn fetch_x509_bundles(&self, _: Request<proto::spiffe_workload::X509BundlesRequest>) -> Result<Response<Self::FetchX509BundlesStream>, Status> {
         Err(Status::unimplemented("not in this fake"))
     }
 
-    async fn fetch_jwtsvid(
-        &self,
-        _: Request<proto::spiffe_workload::JwtsvidRequest>,
-    ) -> Result<Response<proto::spiffe_workload::JwtsvidResponse>, Status> {
+    async fn fetch_jwtsvid(&self, _: Request<proto::spiffe_workload::JwtsvidRequest>) -> Result<Response<proto::spiffe_workload::JwtsvidResponse>, Status> {
         Err(Status::unimplemented("not in this fake"))
     }
 
     type FetchJWTBundlesStream = Pin<Box<dyn Stream<Item = Result<proto::spiffe_workload::JwtBundlesResponse, Status>> + Send>>;
 
-    async fn fetch_jwt_bundles(
-        &self,
-        _: Request<proto::spiffe_workload::JwtBundlesRequest>,
-    ) -> Result<Response<Self::FetchJWTBundlesStream>, Status> {
+    async fn fetch_jwt_bundles(&self, _: Request<proto::spiffe_workload::JwtBundlesRequest>) -> Result<Response<Self::FetchJWTBundlesStream>, Status> {
         Err(Status::unimplemented("not in this fake"))
     }
 
@@ -174,12 +154,7 @@ impl FakeWorkloadApi {
         let listener = tokio::net::UnixListener::bind(&socket).unwrap();
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o777)).unwrap();
         let (offer, receiver) = watch::channel(Offer::Refuse);
-        let fake = Fake {
-            offer: receiver,
-            ca,
-            with_header: Arc::new(AtomicUsize::new(0)),
-            without_header: Arc::new(AtomicUsize::new(0)),
-        };
+        let fake = Fake { offer: receiver, ca, with_header: Arc::new(AtomicUsize::new(0)), without_header: Arc::new(AtomicUsize::new(0)) };
         let (with_header, without_header) = (Arc::clone(&fake.with_header), Arc::clone(&fake.without_header));
         let server = tokio::spawn(async move {
             let _ = tonic::transport::Server::builder()

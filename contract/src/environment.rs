@@ -1,0 +1,156 @@
+//! The environment contract: the variables a driver injects into an environment and
+//! the supervisor reads. Both sides use [`Contract`], so a name cannot drift between
+//! them.
+//!
+//! **Empty is unset.** A driver writes only the variables that have a value
+//! ([`Contract::to_vars`]); the supervisor treats a variable that is present but empty
+//! exactly like a missing one ([`Contract::from_lookup`]), and fails with a message
+//! naming the variable only where a value is required.
+//!
+//! Never in the contract: the Gitea runner token and the registration token. The
+//! capability is assignment-scoped and short-lived; the supervisor keeps it from the
+//! job's environment.
+
+use std::collections::BTreeMap;
+
+/// `gitea-task-<id>`: the assignment this environment runs.
+pub const ASSIGNMENT_ID: &str = "CI_ASSIGNMENT_ID";
+/// The assignment capability (HMAC token bound to the assignment id, with an expiry).
+pub const CAPABILITY: &str = "CI_RUNNER_CAPABILITY";
+/// The controller's facade: `unix:///path` (socket mounted in) or `https://host:port`.
+pub const FACADE_URL: &str = "CI_RUNNER_FACADE_URL";
+/// The facade's exact SPIFFE ID (https facades only).
+pub const FACADE_SPIFFE_ID: &str = "CI_RUNNER_FACADE_SPIFFE_ID";
+/// The exact SPIFFE ID of this job; set means "wait for this SVID".
+pub const SPIFFE_ID: &str = "CI_SPIFFE_ID";
+/// The Workload API endpoint, e.g. `unix:///run/spire/agent/public/api.sock`.
+pub const SPIFFE_ENDPOINT_SOCKET: &str = "SPIFFE_ENDPOINT_SOCKET";
+/// The runner labels for the `.runner` file, a JSON array of strings.
+pub const RUNNER_LABELS_JSON: &str = "CI_RUNNER_LABELS_JSON";
+/// Gitea as this environment reaches it: the loopback passes every path that is not
+/// the runner protocol there (checkout, artifacts, API calls of steps).
+pub const GITEA_URL: &str = "CI_GITEA_URL";
+
+/// Every variable of the contract, in the order they are documented.
+pub const ALL: [&str; 8] = [ASSIGNMENT_ID, CAPABILITY, FACADE_URL, FACADE_SPIFFE_ID, SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET, RUNNER_LABELS_JSON, GITEA_URL];
+
+/// The contract's values; `None` is "unset" (an empty variable reads as `None`).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Contract {
+    pub assignment_id: Option<String>,
+    pub capability: Option<String>,
+    pub facade_url: Option<String>,
+    pub facade_spiffe_id: Option<String>,
+    pub spiffe_id: Option<String>,
+    pub spiffe_endpoint_socket: Option<String>,
+    /// Kept as the JSON text: the supervisor validates it and names the variable.
+    pub runner_labels_json: Option<String>,
+    pub gitea_url: Option<String>,
+}
+
+impl std::fmt::Debug for Contract {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The capability is a credential: never printed.
+        f.debug_struct("Contract")
+            .field("assignment_id", &self.assignment_id)
+            .field("capability", &self.capability.as_ref().map(|_| "<redacted>"))
+            .field("facade_url", &self.facade_url)
+            .field("facade_spiffe_id", &self.facade_spiffe_id)
+            .field("spiffe_id", &self.spiffe_id)
+            .field("spiffe_endpoint_socket", &self.spiffe_endpoint_socket)
+            .field("runner_labels_json", &self.runner_labels_json)
+            .field("gitea_url", &self.gitea_url)
+            .finish()
+    }
+}
+
+impl Contract {
+    /// The labels as JSON, for [`Contract::runner_labels_json`].
+    pub fn labels_json(labels: &[String]) -> String {
+        serde_json::to_string(labels).unwrap_or_else(|_| "[]".to_owned())
+    }
+
+    fn fields(&self) -> [(&'static str, &Option<String>); 8] {
+        [
+            (ASSIGNMENT_ID, &self.assignment_id),
+            (CAPABILITY, &self.capability),
+            (FACADE_URL, &self.facade_url),
+            (FACADE_SPIFFE_ID, &self.facade_spiffe_id),
+            (SPIFFE_ID, &self.spiffe_id),
+            (SPIFFE_ENDPOINT_SOCKET, &self.spiffe_endpoint_socket),
+            (RUNNER_LABELS_JSON, &self.runner_labels_json),
+            (GITEA_URL, &self.gitea_url),
+        ]
+    }
+
+    /// The variables to set: only those with a non-empty value.
+    pub fn to_vars(&self) -> BTreeMap<String, String> {
+        self.fields().into_iter().filter_map(|(name, value)| value.as_deref().filter(|v| !v.is_empty()).map(|v| (name.to_owned(), v.to_owned()))).collect()
+    }
+
+    /// Reads the contract through `lookup` (e.g. `std::env::var`); empty values are unset.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Contract {
+        let get = |name: &str| lookup(name).filter(|v| !v.is_empty());
+        Contract {
+            assignment_id: get(ASSIGNMENT_ID),
+            capability: get(CAPABILITY),
+            facade_url: get(FACADE_URL),
+            facade_spiffe_id: get(FACADE_SPIFFE_ID),
+            spiffe_id: get(SPIFFE_ID),
+            spiffe_endpoint_socket: get(SPIFFE_ENDPOINT_SOCKET),
+            runner_labels_json: get(RUNNER_LABELS_JSON),
+            gitea_url: get(GITEA_URL),
+        }
+    }
+
+    /// Reads this process's environment.
+    pub fn from_process_env() -> Contract {
+        Contract::from_lookup(|name| std::env::var(name).ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_and_missing_are_the_same() {
+        let vars = BTreeMap::from([(ASSIGNMENT_ID, "gitea-task-1"), (SPIFFE_ENDPOINT_SOCKET, ""), (FACADE_SPIFFE_ID, "")]);
+        let contract = Contract::from_lookup(|name| vars.get(name).map(|v| (*v).to_owned()));
+        assert_eq!(contract.assignment_id.as_deref(), Some("gitea-task-1"));
+        assert_eq!(contract.spiffe_endpoint_socket, None);
+        assert_eq!(contract.facade_spiffe_id, None);
+        assert_eq!(contract.gitea_url, None);
+    }
+
+    #[test]
+    fn only_values_are_written_and_they_read_back() {
+        let contract = Contract {
+            assignment_id: Some("gitea-task-7".into()),
+            capability: Some("cap".into()),
+            facade_url: Some("unix:///run/gdr/facade.sock".into()),
+            facade_spiffe_id: Some(String::new()),
+            runner_labels_json: Some(Contract::labels_json(&["self-hosted".into()])),
+            ..Contract::default()
+        };
+        let vars = contract.to_vars();
+        assert_eq!(vars.keys().map(String::as_str).collect::<Vec<_>>(), [ASSIGNMENT_ID, CAPABILITY, FACADE_URL, RUNNER_LABELS_JSON]);
+        let back = Contract::from_lookup(|name| vars.get(name).cloned());
+        assert_eq!(back, Contract { facade_spiffe_id: None, ..contract });
+    }
+
+    #[test]
+    fn debug_hides_the_capability() {
+        let contract = Contract { capability: Some("secret-capability".into()), ..Contract::default() };
+        assert!(!format!("{contract:?}").contains("secret-capability"));
+    }
+
+    #[test]
+    fn every_name_is_listed_once() {
+        let mut names = ALL.to_vec();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+        assert_eq!(Contract::default().fields().map(|(n, _)| n), ALL);
+    }
+}

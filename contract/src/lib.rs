@@ -1,0 +1,11 @@
+//! What the two binaries agree on without a wire protocol:
+//! - [`environment`]: the environment contract — the variables a driver sets for an
+//!   environment and the supervisor reads (names, meaning, "empty is unset");
+//! - [`facade`]: the forms of the facade's URL and which addresses plain HTTP may use;
+//! - [`units`]: how sizes and durations are written in settings, for both binaries.
+
+#![forbid(unsafe_code)]
+
+pub mod environment;
+pub mod facade;
+pub mod units;

@@ -1,0 +1,321 @@
+//! The facade: the only path from environments back to Gitea (architecture §2).
+//!
+//! Every call carries the assignment capability, which must verify for that
+//! assignment; over SPIFFE mTLS the peer's SPIFFE ID must also equal the identity
+//! derived for the assignment. Claim hands the Task over exactly once (a retry by the
+//! same holder gets the same Task; anyone else is refused); UpdateTask and UpdateLog
+//! are forwarded with the controller's runner credential for the claimed task only,
+//! and Gitea's replies, cancellation included, go back unchanged. After Gitea accepts
+//! the terminal state, the record becomes terminal, the environment is marked
+//! terminal and the pool slot is released.
+
+use std::sync::Arc;
+
+use proto::{
+    facade::v1::{
+        AssignmentCredential, ClaimRequest, ClaimResponse, Phase, ReportPhaseRequest, ReportPhaseResponse, UpdateLogRequest, UpdateLogResponse,
+        UpdateTaskRequest, UpdateTaskResponse,
+        facade_service_server::{FacadeService, FacadeServiceServer},
+    },
+    runner::v1::{Result as TaskResult, Task},
+};
+use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
+
+use crate::{
+    assignment::{Assignment, Rules, capability::CapabilityKey},
+    gitea::{self, GiteaError, TaskReports, registrations::Registrations},
+    lifecycle::Lifecycle,
+    store::{self, Record, State, Store, StoreError, Versioned, now_ms},
+};
+
+mod transport;
+
+pub use transport::{FacadeError, mtls_server_config, serve_insecure_tcp, serve_mtls, serve_unix};
+
+/// Upper bound of one facade request. The supervisor sends a runner's UpdateLog
+/// backlog up in pieces of a few hundred KiB, and outputs in batches, so this only
+/// has to hold the largest single piece; it protects the controller, which every
+/// environment shares.
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
+
+/// Who is calling, as the transport established it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peer {
+    /// Over SPIFFE mTLS: the SPIFFE ID of the client's X.509 SVID.
+    Spiffe(String),
+    /// Over the local unix socket (docker driver without SPIFFE): capability only.
+    Local,
+}
+
+/// The facade's state, shared by its listeners.
+#[derive(Debug)]
+pub struct Facade {
+    store: Arc<dyn Store>,
+    registrations: Registrations,
+    lifecycle: Lifecycle,
+    key: Arc<CapabilityKey>,
+    rules: Rules,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
+/// Seconds since `from_ms`, for the histograms.
+fn seconds_since(from_ms: i64) -> f64 {
+    (now_ms() - from_ms).max(0) as f64 / 1000.0
+}
+
+impl Facade {
+    pub fn new(store: Arc<dyn Store>, registrations: Registrations, lifecycle: Lifecycle, key: Arc<CapabilityKey>, rules: Rules) -> Self {
+        Facade { store, registrations, lifecycle, key, rules, metrics: None }
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// The tonic service; the transport must put a [`Peer`] into each request's extensions.
+    pub fn service(self: Arc<Self>) -> FacadeServiceServer<Service> {
+        FacadeServiceServer::new(Service(self)).max_decoding_message_size(MAX_REQUEST_BYTES)
+    }
+
+    /// Capability and peer identity, then the record and its decoded assignment.
+    async fn authorize(&self, peer: &Peer, credential: Option<&AssignmentCredential>) -> Result<(Versioned<Record>, Assignment), Status> {
+        let credential = credential.ok_or_else(|| Status::unauthenticated("the request carries no credential"))?;
+        let id = credential.assignment_id.as_str();
+        if id.is_empty() || id.len() > 128 {
+            return Err(Status::invalid_argument("credential.assignment_id must be 1 to 128 bytes"));
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        self.key.verify(&credential.capability, id, now).map_err(|error| Status::unauthenticated(format!("capability refused for {id}: {error}")))?;
+        let record = self.store.get(id).await.map_err(store_status)?.ok_or_else(|| Status::not_found(format!("no assignment {id}")))?;
+        let assignment = Assignment::decode(&record.value.envelope, &self.rules)
+            .map_err(|error| Status::internal(format!("stored assignment {id} is invalid: {}", crate::error_chain(&error))))?;
+        if let Peer::Spiffe(peer_id) = peer
+            && *peer_id != assignment.identity.spiffe_id
+        {
+            tracing::warn!(assignment_id = id, peer = %peer_id, expected = %assignment.identity.spiffe_id, "facade refused a peer with the wrong SPIFFE ID");
+            return Err(Status::permission_denied(format!("peer {peer_id} is not the identity of {id} ({})", assignment.identity.spiffe_id)));
+        }
+        Ok((record, assignment))
+    }
+
+    pub async fn claim(&self, peer: &Peer, request: ClaimRequest) -> Result<ClaimResponse, Status> {
+        let (mut record, assignment) = self.authorize(peer, request.credential.as_ref()).await?;
+        let holder = request.holder;
+        if holder.len() < 16 || holder.len() > 128 {
+            return Err(Status::invalid_argument("holder must be 16 to 128 characters"));
+        }
+        loop {
+            match &record.value.state {
+                State::Claimed { holder: current, claimed_at_ms } if *current == holder => {
+                    return Ok(claim_response(assignment.task.clone(), claimed_at_ms.to_owned()));
+                }
+                State::Claimed { .. } => {
+                    tracing::warn!(assignment_id = %assignment.id, "a second holder tried to claim");
+                    return Err(Status::failed_precondition(format!("{} is already claimed by another holder", assignment.id)));
+                }
+                State::Terminal { result } => {
+                    return Err(Status::failed_precondition(format!("{} is finished ({result})", assignment.id)));
+                }
+                State::Pending => {
+                    let claimed_at_ms = now_ms();
+                    let mut next = record.value.clone();
+                    next.state = State::Claimed { holder: holder.clone(), claimed_at_ms };
+                    next.updated_at_ms = claimed_at_ms;
+                    match self.store.update(&next, record.revision).await {
+                        Ok(_) => {
+                            tracing::info!(assignment_id = %assignment.id, task_id = assignment.task.id, "claimed");
+                            crate::failpoint::hit("after-claim");
+                            if let Some(metrics) = &self.metrics
+                                && record.value.created_at_ms > 0
+                            {
+                                metrics.claim_latency.observe(seconds_since(record.value.created_at_ms));
+                            }
+                            return Ok(claim_response(assignment.task.clone(), claimed_at_ms));
+                        }
+                        Err(StoreError::Conflict { .. }) => {
+                            record = self.store.get(&assignment.id).await.map_err(store_status)?.ok_or_else(|| Status::not_found("assignment vanished"))?;
+                        }
+                        Err(error) => return Err(store_status(error)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// A report on the claimed task: authorized, for this assignment's task only, and
+    /// sent as the runner that fetched it.
+    async fn reporting(
+        &self,
+        peer: &Peer,
+        credential: Option<&AssignmentCredential>,
+        task_id: i64,
+    ) -> Result<(Record, Assignment, Arc<dyn TaskReports>), Status> {
+        let (record, assignment) = self.authorize(peer, credential).await?;
+        if task_id != assignment.task.id {
+            tracing::warn!(assignment_id = %assignment.id, task_id, "refused a report for another task");
+            return Err(Status::permission_denied(format!("{} may only report task {}, not {task_id}", assignment.id, assignment.task.id)));
+        }
+        if record.value.state == State::Pending {
+            return Err(Status::failed_precondition(format!("{} is not claimed yet", assignment.id)));
+        }
+        let reports = self.registrations.reports_for(&record.value.runner).map_err(|error| {
+            tracing::error!(assignment_id = %assignment.id, "{error}");
+            Status::failed_precondition(error.to_string())
+        })?;
+        // A terminal assignment still forwards: after Gitea said "cancelled" the runner
+        // flushes its last log rows while its environment is being retired.
+        Ok((record.value, assignment, reports))
+    }
+
+    pub async fn update_task(&self, peer: &Peer, request: UpdateTaskRequest) -> Result<UpdateTaskResponse, Status> {
+        let inner = request.request.ok_or_else(|| Status::invalid_argument("request is required"))?;
+        let task_id = inner.state.as_ref().map_or(0, |s| s.id);
+        let (record, assignment, reports) = self.reporting(peer, request.credential.as_ref(), task_id).await?;
+        let response = reports.update_task(&inner).await.map_err(gitea_status)?;
+        let reported = inner.state.as_ref().map_or(0, |s| s.result);
+        // Gitea's reply carries its own view: a result there means Gitea is done with
+        // the task (cancelled, or already finished), whether or not the runner says so.
+        let answered = response.state.as_ref().map_or(0, |s| s.result);
+        let ended = if reported != TaskResult::Unspecified as i32 { reported } else { answered };
+        if ended != TaskResult::Unspecified as i32 && !record.is_terminal() {
+            if answered != TaskResult::Unspecified as i32 && reported == TaskResult::Unspecified as i32 {
+                tracing::info!(assignment_id = %assignment.id, task_id, result = %crate::lifecycle::result_name(answered), "Gitea ended the task");
+            }
+            // Gitea's result wins where the two differ (a cancelled task stays cancelled).
+            let result = if answered != TaskResult::Unspecified as i32 { answered } else { reported };
+            if let Err(error) = self.lifecycle.finish(&assignment.id, result).await {
+                tracing::error!(assignment_id = %assignment.id, "cannot record the end of the task: {}", crate::error_chain(&error));
+            }
+        }
+        Ok(UpdateTaskResponse { response: Some(response) })
+    }
+
+    pub async fn update_log(&self, peer: &Peer, request: UpdateLogRequest) -> Result<UpdateLogResponse, Status> {
+        let inner = request.request.ok_or_else(|| Status::invalid_argument("request is required"))?;
+        let (_, _, reports) = self.reporting(peer, request.credential.as_ref(), inner.task_id).await?;
+        let response = gitea::update_log_in_pieces(reports.as_ref(), &inner).await.map_err(gitea_status)?;
+        Ok(UpdateLogResponse { response: Some(response) })
+    }
+
+    pub async fn report_phase(&self, peer: &Peer, request: ReportPhaseRequest) -> Result<ReportPhaseResponse, Status> {
+        let (record, assignment) = self.authorize(peer, request.credential.as_ref()).await?;
+        let phase = Phase::try_from(request.phase).unwrap_or(Phase::Unspecified);
+        if phase == Phase::Unspecified {
+            return Err(Status::invalid_argument("phase is required"));
+        }
+        if request.detail.len() > 4096 {
+            return Err(Status::invalid_argument("detail is longer than 4096 bytes"));
+        }
+        if phase == Phase::RunnerStarted
+            && let Some(metrics) = &self.metrics
+            && record.value.created_at_ms > 0
+        {
+            metrics.job_startup.observe(seconds_since(record.value.created_at_ms));
+        }
+        tracing::info!(assignment_id = %assignment.id, task_id = assignment.task.id, phase = phase.as_str_name(), exit_code = request.exit_code, detail = %request.detail, "environment phase");
+        let summary = phase_summary(phase, &request.detail, request.exit_code);
+        let name = phase.as_str_name().trim_start_matches("PHASE_").to_ascii_lowercase();
+        let at_ms = request.at.map_or_else(now_ms, |at| at.seconds.saturating_mul(1000).saturating_add(i64::from(at.nanos / 1_000_000)));
+        // Kept on the record so that an environment that dies afterwards is reported
+        // with what it last said, and its start-up can be read back (best effort: a phase
+        // is not worth failing a call).
+        if let Err(error) = store::modify(self.store.as_ref(), &assignment.id, |current| {
+            let mut timeline = current.timeline.clone();
+            if timeline.len() < MAX_TIMELINE {
+                timeline.push((name.clone(), at_ms));
+            }
+            let phase = if current.is_terminal() { current.phase.clone() } else { Some(summary.clone()) };
+            Some(Record { phase, timeline, ..current.clone() })
+        })
+        .await
+        {
+            tracing::warn!(assignment_id = %assignment.id, "cannot record the phase: {}", crate::error_chain(&error));
+        }
+        Ok(ReportPhaseResponse {})
+    }
+}
+
+/// Phases kept per assignment (a supervisor reports about eight).
+const MAX_TIMELINE: usize = 32;
+
+/// `failed: dockerd: …`, `runner_exited (exit 1)`.
+fn phase_summary(phase: Phase, detail: &str, exit_code: i32) -> String {
+    let name = phase.as_str_name().trim_start_matches("PHASE_").to_ascii_lowercase();
+    let mut summary = name;
+    if !detail.is_empty() {
+        summary.push_str(": ");
+        summary.push_str(&detail.chars().take(512).collect::<String>());
+    }
+    if phase == Phase::RunnerExited {
+        summary.push_str(&format!(" (exit {exit_code})"));
+    }
+    summary
+}
+
+fn claim_response(task: Task, claimed_at_ms: i64) -> ClaimResponse {
+    ClaimResponse {
+        task: Some(task),
+        claimed_at: Some(prost_types::Timestamp {
+            seconds: claimed_at_ms.div_euclid(1000),
+            nanos: i32::try_from(claimed_at_ms.rem_euclid(1000) * 1_000_000).unwrap_or(0),
+        }),
+    }
+}
+
+fn store_status(error: StoreError) -> Status {
+    match error {
+        StoreError::Unavailable { .. } => Status::unavailable(crate::error_chain(&error)),
+        other => Status::internal(crate::error_chain(&other)),
+    }
+}
+
+/// Gitea's errors reach the runner as the same codes it would get from Gitea.
+fn gitea_status(error: GiteaError) -> Status {
+    match &error {
+        GiteaError::Call { error: inner, .. } => Status::new(tonic::Code::from_i32(inner.code.grpc()), inner.message.clone()),
+        _ => Status::unavailable(error.to_string()),
+    }
+}
+
+/// The tonic adapter: reads the [`Peer`] the transport attached.
+#[derive(Debug, Clone)]
+pub struct Service(Arc<Facade>);
+
+fn peer_of<T>(request: &Request<T>) -> Result<Peer, Status> {
+    request.extensions().get::<Peer>().cloned().ok_or_else(|| Status::unauthenticated("the transport established no peer identity"))
+}
+
+/// The span of a call: the assignment it claims to be for (checked inside).
+fn span_of(credential: Option<&AssignmentCredential>) -> tracing::Span {
+    let id = credential.map_or("", |c| c.assignment_id.as_str());
+    tracing::info_span!("assignment", assignment.id = %id.chars().take(128).collect::<String>())
+}
+
+#[tonic::async_trait]
+impl FacadeService for Service {
+    async fn claim(&self, request: Request<ClaimRequest>) -> Result<Response<ClaimResponse>, Status> {
+        let peer = peer_of(&request)?;
+        let span = span_of(request.get_ref().credential.as_ref());
+        self.0.claim(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+    }
+
+    async fn update_task(&self, request: Request<UpdateTaskRequest>) -> Result<Response<UpdateTaskResponse>, Status> {
+        let peer = peer_of(&request)?;
+        let span = span_of(request.get_ref().credential.as_ref());
+        self.0.update_task(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+    }
+
+    async fn update_log(&self, request: Request<UpdateLogRequest>) -> Result<Response<UpdateLogResponse>, Status> {
+        let peer = peer_of(&request)?;
+        let span = span_of(request.get_ref().credential.as_ref());
+        self.0.update_log(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+    }
+
+    async fn report_phase(&self, request: Request<ReportPhaseRequest>) -> Result<Response<ReportPhaseResponse>, Status> {
+        let peer = peer_of(&request)?;
+        let span = span_of(request.get_ref().credential.as_ref());
+        self.0.report_phase(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+    }
+}

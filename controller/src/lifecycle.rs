@@ -1,0 +1,196 @@
+//! The one place where an assignment ends ("finish assignment"), used by the facade,
+//! the keep-alive, the reconciler and the worker:
+//!
+//! 1. the record becomes terminal (compare-and-set; finishing twice is harmless);
+//! 2. at once, the placement's admission is released: the scheduler may take the next
+//!    task from Gitea while this environment ends;
+//! 3. the environment is retired in the background: it gets a grace period to end on
+//!    its own (after its final report the runner exits and the supervisor drains),
+//!    then it is stopped; its pool slot is released the moment it is no longer running
+//!    (so the next environment starts then, and no more than `capacity` environments
+//!    ever run), and it is deleted. The worker's watch of environment exits does the
+//!    same when it sees the exit first; where this process has no driver for the
+//!    placement, the worker that has one does it.
+//!
+//! [`Lifecycle::fail`] first writes the reason into the job's log in Gitea (as its last
+//! line) and fails the task there, for the cases where nothing else will report: the
+//! environment died, could not be made, or the task cannot run.
+
+use std::{sync::Arc, time::Duration};
+
+use proto::runner::v1::Result as TaskResult;
+use tokio_util::task::TaskTracker;
+
+use crate::{
+    assignment::envelope,
+    driver::{Driver, Phase},
+    gitea::{self, registrations::Registrations},
+    placements::Placements,
+    store::{self, Record, State, Store, StoreError},
+};
+
+/// How long a finished environment may take to end on its own before it is stopped.
+pub const DEFAULT_RETIRE_GRACE: Duration = Duration::from_secs(15);
+/// How long [`Lifecycle::finish`] keeps trying an unavailable store.
+pub const FINISH_RETRY: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub struct Lifecycle {
+    store: Arc<dyn Store>,
+    placements: Placements,
+    registrations: Registrations,
+    retiring: TaskTracker,
+    retire_grace: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LifecycleError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("no assignment {0}")]
+    NotFound(String),
+}
+
+impl Lifecycle {
+    pub fn new(store: Arc<dyn Store>, placements: Placements, registrations: Registrations) -> Self {
+        Lifecycle { store, placements, registrations, retiring: TaskTracker::new(), retire_grace: DEFAULT_RETIRE_GRACE }
+    }
+
+    pub fn with_retire_grace(mut self, grace: Duration) -> Self {
+        self.retire_grace = grace;
+        self
+    }
+
+    /// Gitea has the task's final result (the runner reported it, or Gitea said the
+    /// task is done): record it, release the slots, retire the environment.
+    ///
+    /// The store is retried for up to [`FINISH_RETRY`] while it is unavailable (a NATS node
+    /// died and leaders are being elected): Gitea already has the result, and a record left
+    /// unfinished would hold its placement's capacity until its environment ends.
+    ///
+    /// # Errors
+    /// When the store cannot record it (the caller may retry; nothing was released).
+    #[tracing::instrument(skip(self), fields(assignment.id = %assignment_id))]
+    pub async fn finish(&self, assignment_id: &str, result: i32) -> Result<Record, LifecycleError> {
+        let name = result_name(result);
+        let deadline = tokio::time::Instant::now() + FINISH_RETRY;
+        let mut pause = Duration::from_millis(200);
+        let modified = loop {
+            let modified = store::modify(self.store.as_ref(), assignment_id, |current| {
+                (!current.is_terminal()).then(|| Record { state: State::Terminal { result: name.clone() }, ..current.clone() })
+            })
+            .await;
+            match modified {
+                Err(StoreError::Unavailable { .. }) if tokio::time::Instant::now() + pause < deadline => {
+                    tracing::warn!(assignment_id, "the store is unavailable; retrying to record the end");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                other => break other,
+            }
+        };
+        let record = modified?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
+        self.release(&record);
+        tracing::info!(assignment_id, result = %name, "assignment finished");
+        Ok(record)
+    }
+
+    /// Fails the task in Gitea with `reason` as the last line of its log, then
+    /// finishes the assignment as failed. When Gitea cannot be told, the assignment is
+    /// finished anyway (nothing here can run it any more) and Gitea times it out.
+    ///
+    /// # Errors
+    /// When the store cannot record it.
+    #[tracing::instrument(skip(self, reason), fields(assignment.id = %assignment_id))]
+    pub async fn fail(&self, assignment_id: &str, reason: &str) -> Result<Record, LifecycleError> {
+        let record = self.store.get(assignment_id).await?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
+        if record.is_terminal() {
+            self.release(&record);
+            return Ok(record);
+        }
+        tracing::error!(assignment_id, "failing the task: {reason}");
+        match (envelope::task_id_of(assignment_id), self.registrations.reports_for(&record.runner)) {
+            (Some(task_id), Ok(reports)) => {
+                if let Err(error) = gitea::fail_task(reports.as_ref(), task_id, reason).await {
+                    tracing::error!(assignment_id, task_id, "could not fail the task in Gitea ({}); Gitea will time it out", crate::error_chain(&error));
+                }
+            }
+            (_, Err(error)) => tracing::error!(assignment_id, "{error}"),
+            (None, _) => tracing::error!(assignment_id, "not a Gitea task id; nothing to tell Gitea"),
+        }
+        self.finish(assignment_id, TaskResult::Failure as i32).await
+    }
+
+    /// Frees what a terminal record held in this process (idempotent).
+    fn release(&self, record: &Record) {
+        let Some(runtime) = self.placements.get(record.placement) else { return };
+        runtime.admission.release(&record.assignment_id);
+        match (runtime.driver.clone(), record.environment.clone()) {
+            (Some(driver), Some(environment)) => {
+                let (grace, runtime) = (self.retire_grace, Arc::clone(runtime));
+                let assignment_id = record.assignment_id.clone();
+                self.retiring.spawn(async move {
+                    retire(driver.as_ref(), &environment, &assignment_id, grace, || {
+                        runtime.pool.release(&assignment_id);
+                    })
+                    .await;
+                });
+            }
+            // No environment (yet): nothing runs, the slot is free.
+            (_, None) => {
+                runtime.pool.release(&record.assignment_id);
+            }
+            // Another process's worker retires it and frees its slot.
+            (None, Some(_)) => {}
+        }
+    }
+
+    /// Waits (bounded) for the environments being retired.
+    pub async fn drain(&self, limit: Duration) {
+        self.retiring.close();
+        if tokio::time::timeout(limit, self.retiring.wait()).await.is_err() {
+            tracing::warn!(?limit, "environments still being retired at shutdown; the reconciler removes them on the next start");
+        }
+    }
+}
+
+/// Lets a finished environment end on its own for `grace`, then stops it; calls
+/// `stopped` once it no longer runs (before the deletion, which may take longer), then
+/// deletes it.
+pub async fn retire(driver: &dyn Driver, name: &str, assignment_id: &str, grace: Duration, stopped: impl FnOnce()) {
+    let deadline = tokio::time::Instant::now() + grace;
+    loop {
+        match driver.get(name).await {
+            Ok(None) => {
+                stopped();
+                return;
+            }
+            Ok(Some(environment)) if environment.phase != Phase::Running => break,
+            Ok(Some(_)) | Err(_) if tokio::time::Instant::now() >= deadline => break,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let outcome = match driver.get(name).await {
+        // Stops it (the supervisor drains within its timeout) and deletes it.
+        Ok(Some(environment)) if environment.phase == Phase::Running => {
+            let outcome = driver.stop(name).await;
+            if outcome.is_ok() {
+                stopped();
+            }
+            outcome
+        }
+        _ => {
+            stopped();
+            driver.delete(name).await
+        }
+    };
+    match outcome {
+        Ok(()) => tracing::debug!(environment = name, assignment_id, "environment removed"),
+        Err(error) => tracing::warn!(environment = name, assignment_id, %error, "cannot remove the environment yet; the reconciler will"),
+    }
+}
+
+/// `RESULT_SUCCESS`, … as stored in terminal records.
+pub fn result_name(result: i32) -> String {
+    TaskResult::try_from(result).map_or("RESULT_UNKNOWN", |r| r.as_str_name()).to_owned()
+}

@@ -1,0 +1,412 @@
+//! The scheduler: for each placement's Gitea registration, FetchTask loops that turn
+//! tasks into persisted assignments — only while the placement's [`Admission`] has
+//! room. A task Gitea hands over is "running" there from that moment and cannot be
+//! handed back, so a full placement stops fetching and its backlog waits in Gitea.
+//!
+//! A task Gitea hands over is ours alone: it is either persisted before its loop
+//! fetches again (a failed persist is retried, for that assignment only, until it
+//! succeeds or shutdown), or, when it cannot run here at all (labels break the
+//! placement rules, unparsable workflow, placement not enabled), failed in Gitea at
+//! once with a log line that says why — never left to Gitea's zombie timeout.
+//!
+//! [`keepalive`] reports for assignments nobody reports on yet.
+
+pub mod keepalive;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicI64, Ordering},
+    },
+    time::Duration,
+};
+
+use proto::runner::v1::Task;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    assignment::{Assignment, Placement, Rules},
+    gitea::{self, Gitea, GiteaError, TaskReports},
+    placements::{Placements, Ticket},
+    store::{Record, Store, now_ms},
+};
+
+/// Settings of the fetch loops.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub rules: Rules,
+    /// Pause after an empty FetchTask (gitea-runner's fetch_interval is 2 s).
+    pub fetch_interval: Duration,
+    /// Per-call deadline of FetchTask.
+    pub fetch_timeout: Duration,
+    /// Upper bound of concurrent FetchTask loops per registration (below capacity).
+    pub max_loops: usize,
+}
+
+/// How long a scheduler's lease on its registration lasts without renewal: a standby
+/// scheduler takes over this long after the active one died.
+pub const LEASE_TTL: Duration = Duration::from_secs(15);
+
+/// What one loop did with one task, for tests and metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// `latency`: from FetchTask's reply to the store's confirmation.
+    Persisted {
+        assignment_id: String,
+        placement: Placement,
+        latency: Duration,
+    },
+    AlreadyPersisted {
+        assignment_id: String,
+    },
+    Rejected {
+        task_id: i64,
+        reason: String,
+    },
+}
+
+/// The fetch loops of one registration.
+#[derive(Debug)]
+pub struct Scheduler {
+    /// The placement whose registration fetches here.
+    placement: Placement,
+    gitea: Gitea,
+    store: Arc<dyn Store>,
+    placements: Placements,
+    config: SchedulerConfig,
+    /// The highest tasks_version seen, shared by this registration's loops (as gitea-runner's poller does).
+    tasks_version: AtomicI64,
+    observer: Option<tokio::sync::mpsc::UnboundedSender<Outcome>>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// This scheduler's name in the registration's lease.
+    holder: String,
+    lease_ttl: Duration,
+    /// Until when this scheduler surely holds the lease (renewed at half-life).
+    leading_until: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// One renewal at a time among this scheduler's loops.
+    renewing: tokio::sync::Mutex<()>,
+}
+
+impl Scheduler {
+    pub fn new(placement: Placement, gitea: Gitea, store: Arc<dyn Store>, placements: Placements, config: SchedulerConfig) -> Self {
+        let holder = crate::assignment::capability::random_token().unwrap_or_else(|_| format!("pid-{}", std::process::id()));
+        Scheduler {
+            placement,
+            gitea,
+            store,
+            placements,
+            config,
+            tasks_version: AtomicI64::new(0),
+            observer: None,
+            metrics: None,
+            holder,
+            lease_ttl: LEASE_TTL,
+            leading_until: std::sync::Mutex::new(None),
+            renewing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    fn lease_name(&self) -> String {
+        format!("scheduler.{}", self.placement)
+    }
+
+    fn leading_until(&self) -> Option<tokio::time::Instant> {
+        *self.leading_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_leading_until(&self, until: Option<tokio::time::Instant>) {
+        *self.leading_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = until;
+    }
+
+    /// Waits until this scheduler holds its registration's lease (renewing it at half its
+    /// life); false at shutdown. Only the holder fetches, so two schedulers of one
+    /// registration never fetch beyond the capacity together. On taking over, the live
+    /// assignments are counted from the store.
+    async fn lead(&self, shutdown: &CancellationToken) -> bool {
+        loop {
+            let now = tokio::time::Instant::now();
+            if self.leading_until().is_some_and(|until| until > now + self.lease_ttl / 2) {
+                return true;
+            }
+            let _renewing = self.renewing.lock().await;
+            let now = tokio::time::Instant::now();
+            let held = self.leading_until();
+            if held.is_some_and(|until| until > now + self.lease_ttl / 2) {
+                return true;
+            }
+            match self.store.lease(&self.lease_name(), &self.holder, self.lease_ttl).await {
+                Ok(true) => {
+                    if held.is_none_or(|until| until <= now) {
+                        match self.recover_placement(self.placement).await {
+                            Ok(live) => tracing::info!(placement = %self.placement, live, "fetching for this registration (lease taken)"),
+                            Err(error) => {
+                                tracing::warn!(placement = %self.placement, %error, "cannot count the live assignments yet");
+                                self.store.release_lease(&self.lease_name(), &self.holder).await.ok();
+                                sleep_or_stop(Duration::from_secs(1), shutdown).await;
+                                continue;
+                            }
+                        }
+                    }
+                    self.set_leading_until(Some(now + self.lease_ttl));
+                    return true;
+                }
+                Ok(false) => {
+                    if held.is_some_and(|until| until > now) {
+                        tracing::warn!(placement = %self.placement, "another scheduler holds this registration's lease; standing by");
+                    }
+                    self.set_leading_until(None);
+                }
+                Err(error) => {
+                    tracing::warn!(placement = %self.placement, %error, "cannot renew the lease");
+                    if held.is_some_and(|until| until > now) {
+                        return true;
+                    }
+                }
+            }
+            drop(_renewing);
+            tokio::select! {
+                () = shutdown.cancelled() => return false,
+                () = tokio::time::sleep((self.lease_ttl / 5).max(Duration::from_millis(100))) => {}
+            }
+        }
+    }
+
+    /// Counts the store's live assignments of `placement` into its admission.
+    async fn recover_placement(&self, placement: Placement) -> Result<usize, crate::store::StoreError> {
+        let Some(runtime) = self.placements.get(placement) else { return Ok(0) };
+        let mut live = 0;
+        for record in self.store.list().await? {
+            if !record.value.is_terminal() && record.value.placement == placement {
+                runtime.admission.admit(&record.value.assignment_id);
+                live += 1;
+            }
+        }
+        Ok(live)
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Reports every outcome on `observer` (tests, metrics).
+    pub fn with_observer(mut self, observer: tokio::sync::mpsc::UnboundedSender<Outcome>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Runs the loops until `shutdown`; every loop is joined before returning.
+    ///
+    /// # Errors
+    /// When Gitea says the runner is no longer registered: nothing can continue.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), GiteaError> {
+        let capacity = self.placements.get(self.placement).map_or(1, |r| r.capacity);
+        let mut loops = tokio::task::JoinSet::new();
+        for index in 0..capacity.min(self.config.max_loops).max(1) {
+            let scheduler = Arc::clone(&self);
+            let shutdown = shutdown.clone();
+            loops.spawn(async move { scheduler.fetch_loop(index, shutdown).await });
+        }
+        let mut outcome = Ok(());
+        while let Some(joined) = loops.join_next().await {
+            match joined {
+                Ok(Err(error)) => {
+                    // One loop hit a final error: stop the others too.
+                    shutdown.cancel();
+                    outcome = Err(error);
+                }
+                Ok(Ok(())) => {}
+                Err(error) => tracing::error!(%error, "a fetch loop panicked"),
+            }
+        }
+        // A clean stop hands the registration over at once.
+        if let Err(error) = self.store.release_lease(&self.lease_name(), &self.holder).await {
+            tracing::warn!(%error, "cannot release the lease; a standby takes over when it expires");
+        }
+        outcome
+    }
+
+    /// Room for one fetch: waits while the placement is full, re-checking its live
+    /// assignments against the store now and then (another process — a facade on its
+    /// own — may have finished them).
+    async fn reserve(&self, shutdown: &CancellationToken) -> Option<Ticket> {
+        let admission = Arc::clone(&self.placements.get(self.placement)?.admission);
+        loop {
+            if let Some(ticket) = admission.try_reserve() {
+                return Some(ticket);
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return None,
+                () = admission.released() => {}
+                () = tokio::time::sleep(self.config.fetch_interval.max(Duration::from_secs(1))) => {
+                    for id in admission.live() {
+                        if let Ok(record) = self.store.get(&id).await
+                            && record.as_ref().is_none_or(|r| r.value.is_terminal())
+                        {
+                            admission.release(&id);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn fetch_loop(&self, index: usize, shutdown: CancellationToken) -> Result<(), GiteaError> {
+        let mut failures = 0u32;
+        while !shutdown.is_cancelled() {
+            if !self.lead(&shutdown).await {
+                return Ok(());
+            }
+            let Some(ticket) = self.reserve(&shutdown).await else { return Ok(()) };
+            let version = self.tasks_version.load(Ordering::SeqCst);
+            let fetched = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                fetched = self.gitea.fetch_task(version, self.config.fetch_timeout) => fetched,
+            };
+            match fetched {
+                Ok(response) => {
+                    failures = 0;
+                    self.tasks_version.fetch_max(response.tasks_version, Ordering::SeqCst);
+                    match response.task {
+                        Some(task) => {
+                            crate::failpoint::hit("after-fetch");
+                            // Like gitea-runner: after a task, ask again for real next time.
+                            self.tasks_version.store(0, Ordering::SeqCst);
+                            self.handle(task, ticket, &shutdown).await;
+                        }
+                        None => {
+                            drop(ticket);
+                            sleep_or_stop(self.config.fetch_interval, &shutdown).await;
+                        }
+                    }
+                }
+                Err(error @ GiteaError::Unregistered { .. }) => return Err(error),
+                Err(error) => {
+                    drop(ticket);
+                    failures += 1;
+                    let delay = backoff(failures);
+                    if failures == 1 {
+                        tracing::warn!(placement = %self.placement, loop_index = index, %error, "FetchTask failed; backing off");
+                    } else {
+                        tracing::debug!(placement = %self.placement, loop_index = index, %error, failures, "FetchTask still failing");
+                    }
+                    sleep_or_stop(delay, &shutdown).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle(&self, task: Task, ticket: Ticket, shutdown: &CancellationToken) {
+        let fetched_at_ms = now_ms();
+        let fetched = std::time::Instant::now();
+        let task_id = task.id;
+        let assignment = match Assignment::from_task(task, &self.config.rules) {
+            Ok(assignment) => assignment,
+            Err(error) => {
+                let reason = crate::error_chain(&error);
+                self.reject(task_id, &reason).await;
+                return;
+            }
+        };
+        let Some(runtime) = self.placements.get(assignment.placement) else {
+            let reason = format!(
+                "placement {} is not enabled on this controller (enabled: {})",
+                assignment.placement,
+                self.placements.enabled().iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+            );
+            self.reject(task_id, &reason).await;
+            return;
+        };
+        // Count it where it will run (the container.docker registration may be handed a
+        // container.kubernetes task, see placement::declared_labels).
+        if assignment.placement == self.placement {
+            ticket.fill(&assignment.id);
+        } else {
+            drop(ticket);
+            runtime.admission.admit(&assignment.id);
+        }
+        let record = Record::pending(&assignment.id, assignment.placement, self.gitea.runner_uuid(), assignment.encode(), fetched_at_ms);
+        let mut attempt = 0u32;
+        loop {
+            match self.store.persist(&record).await {
+                Ok(created) => {
+                    tracing::info!(assignment_id = %record.assignment_id, task_id, placement = %record.placement, created, "assignment persisted");
+                    self.observe(if created {
+                        Outcome::Persisted { assignment_id: record.assignment_id.clone(), placement: record.placement, latency: fetched.elapsed() }
+                    } else {
+                        Outcome::AlreadyPersisted { assignment_id: record.assignment_id.clone() }
+                    });
+                    return;
+                }
+                Err(error) => {
+                    attempt += 1;
+                    if let Some(metrics) = &self.metrics {
+                        metrics.error(error.metric_label());
+                    }
+                    // The task is ours alone now: keep trying, this assignment only.
+                    tracing::warn!(assignment_id = %record.assignment_id, task_id, attempt, %error, "persisting failed; retrying");
+                    if shutdown.is_cancelled() && attempt > 20 {
+                        tracing::error!(assignment_id = %record.assignment_id, task_id, "giving up on persisting at shutdown; Gitea will time the task out");
+                        return;
+                    }
+                    tokio::time::sleep(backoff(attempt)).await;
+                }
+            }
+        }
+    }
+
+    /// Fails a task in Gitea at once, with the reason in its log.
+    async fn reject(&self, task_id: i64, reason: &str) {
+        tracing::error!(task_id, "task cannot run here, failing it in Gitea: {reason}");
+        if let Err(error) = gitea::fail_task(&self.gitea as &dyn TaskReports, task_id, &format!("this job cannot run: {reason}")).await {
+            tracing::error!(task_id, %error, "could not fail the task in Gitea; it will time out there");
+        }
+        self.observe(Outcome::Rejected { task_id, reason: reason.to_owned() });
+    }
+
+    fn observe(&self, outcome: Outcome) {
+        if let Some(metrics) = &self.metrics {
+            match &outcome {
+                Outcome::Persisted { .. } => {
+                    metrics.assignments_persisted.inc();
+                }
+                Outcome::Rejected { .. } => {
+                    metrics.tasks_rejected.inc();
+                }
+                Outcome::AlreadyPersisted { .. } => {}
+            }
+        }
+        if let Some(observer) = &self.observer {
+            let _ = observer.send(outcome);
+        }
+    }
+}
+
+async fn sleep_or_stop(delay: Duration, shutdown: &CancellationToken) {
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        () = tokio::time::sleep(delay) => {}
+    }
+}
+
+/// 200 ms doubling to 10 s.
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis(200).saturating_mul(1 << attempt.saturating_sub(1).min(6)).min(Duration::from_secs(10))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_ten_seconds() {
+        let delays: Vec<u64> = (1..=8).map(|n| backoff(n).as_millis() as u64).collect();
+        assert_eq!(delays, [200, 400, 800, 1600, 3200, 6400, 10000, 10000]);
+    }
+}

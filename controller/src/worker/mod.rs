@@ -1,0 +1,369 @@
+//! A worker per placement: consumes its queue and creates one environment per
+//! assignment within the placement's [`Pool`](pool::Pool); watches its environments and
+//! sweeps them with the [`reconciler`].
+//!
+//! While the pool is full the worker holds the delivery and waits for a slot (a
+//! finished assignment frees one at once), up to a bound, then gives the delivery back
+//! with a delayed NAK — no environment beyond capacity is ever created and the message
+//! waits in the queue (not in memory). Creation is idempotent (the name derives from
+//! the assignment id); the environment's name is recorded on the assignment before the
+//! delivery is acknowledged, so a crash at any point either redelivers (and finds the
+//! existing environment) or is done. A backend that refuses an environment for good
+//! (missing image, invalid spec) fails the task with its reason.
+//!
+//! It may touch: the store (records of its placement), its driver, the lifecycle.
+
+pub mod pool;
+pub mod reconciler;
+
+use std::{sync::Arc, time::Duration};
+
+use contract::environment::Contract;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    assignment::{Assignment, Rules, capability::CapabilityKey, placement},
+    driver::{self, Driver, EnvironmentSpec, Phase},
+    lifecycle::Lifecycle,
+    placements::PlacementRuntime,
+    store::{self, Delivery, Record, Store, StoreError},
+};
+
+/// What environments are told about where they are (the rest of the contract comes
+/// from the assignment).
+#[derive(Debug, Clone, Default)]
+pub struct EnvironmentSettings {
+    /// CI_RUNNER_FACADE_URL, e.g. `https://controller:9443` or `unix:///run/gdr/facade.sock`.
+    pub facade_url: String,
+    /// CI_RUNNER_FACADE_SPIFFE_ID (https facades).
+    pub facade_spiffe_id: Option<String>,
+    /// SPIFFE_ENDPOINT_SOCKET inside the environment; set means the supervisor waits
+    /// for the job's SVID (CI_SPIFFE_ID is then set too).
+    pub spiffe_endpoint_socket: Option<String>,
+    /// CI_GITEA_URL: Gitea as environments reach it.
+    pub gitea_url: Option<String>,
+    /// The installation (`driver::instance_of` the Gitea URL): part of every
+    /// environment's name and labels.
+    pub instance: String,
+    pub capability_ttl: Duration,
+}
+
+#[derive(Debug)]
+pub struct Worker {
+    runtime: Arc<PlacementRuntime>,
+    driver: Arc<dyn Driver>,
+    store: Arc<dyn Store>,
+    key: Arc<CapabilityKey>,
+    settings: EnvironmentSettings,
+    rules: Rules,
+    lifecycle: Lifecycle,
+    reconciler: reconciler::Reconciler,
+    /// How long a delivery waits for a slot before it goes back to the queue.
+    hold: Duration,
+    /// The delay of a delivery given back.
+    nak_delay: Duration,
+    sweep_interval: Duration,
+}
+
+impl Worker {
+    /// # Panics
+    /// Never: a runtime without a driver is refused by the caller (see `app`).
+    pub fn new(
+        runtime: Arc<PlacementRuntime>,
+        driver: Arc<dyn Driver>,
+        store: Arc<dyn Store>,
+        key: Arc<CapabilityKey>,
+        settings: EnvironmentSettings,
+        rules: Rules,
+        lifecycle: Lifecycle,
+    ) -> Self {
+        let reconciler =
+            reconciler::Reconciler::new(Arc::clone(&runtime), Arc::clone(&driver), Arc::clone(&store), lifecycle.clone(), settings.instance.clone());
+        Worker {
+            runtime,
+            driver,
+            store,
+            key,
+            settings,
+            rules,
+            lifecycle,
+            reconciler,
+            hold: Duration::from_secs(20),
+            nak_delay: Duration::from_secs(1),
+            sweep_interval: Duration::from_secs(10),
+        }
+    }
+
+    pub fn with_nak_delay(mut self, delay: Duration) -> Self {
+        self.nak_delay = delay;
+        self
+    }
+
+    pub fn with_hold(mut self, hold: Duration) -> Self {
+        self.hold = hold;
+        self
+    }
+
+    pub fn with_sweep_interval(mut self, interval: Duration) -> Self {
+        self.sweep_interval = interval;
+        self
+    }
+
+    pub fn reconciler(&self) -> &reconciler::Reconciler {
+        &self.reconciler
+    }
+
+    /// Rebuilds the pool from the driver's listing: every live environment of this
+    /// placement holds a slot.
+    ///
+    /// # Errors
+    /// When the driver cannot list.
+    pub async fn recover(&self) -> Result<usize, driver::DriverError> {
+        let placement = self.runtime.placement;
+        let selector = driver::selector(&self.settings.instance, placement);
+        let mut adopted = 0;
+        for environment in self.driver.list(&selector).await? {
+            if environment.phase == Phase::Running {
+                self.runtime.pool.adopt(&environment.assignment_id);
+                adopted += 1;
+            }
+        }
+        tracing::info!(%placement, adopted, capacity = self.runtime.capacity, "pool rebuilt from the driver");
+        Ok(adopted)
+    }
+
+    /// Consumes, watches and sweeps until `shutdown`; every task it started is joined.
+    ///
+    /// # Errors
+    /// When the consumer cannot be created for a reason other than an unavailable store.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), StoreError> {
+        let placement = self.runtime.placement;
+        // A store that does not answer yet (a cluster electing leaders after a node
+        // restarted) is waited for, as the loop below waits for its queue: exiting would
+        // take the facade and the scheduler of this process down with the worker.
+        let mut pause = Duration::from_millis(500);
+        let mut consumer = loop {
+            match self.store.consumer(placement, self.runtime.capacity).await {
+                Ok(consumer) => break consumer,
+                Err(error @ StoreError::Unavailable { .. }) => {
+                    tracing::warn!(%placement, "cannot open the queue yet; retrying: {}", crate::error_chain(&error));
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                }
+                Err(error) => return Err(error),
+            }
+        };
+        let mut helpers = tokio::task::JoinSet::new();
+        helpers.spawn(Arc::clone(&self).watch(shutdown.clone()));
+        helpers.spawn(Arc::clone(&self).sweep(shutdown.clone()));
+        while !shutdown.is_cancelled() {
+            let next = tokio::select! {
+                () = shutdown.cancelled() => break,
+                next = consumer.next(Duration::from_secs(1)) => next,
+            };
+            match next {
+                Ok(Some(delivery)) => self.handle(delivery, &shutdown).await,
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(%placement, %error, "queue unavailable; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+            }
+        }
+        while helpers.join_next().await.is_some() {}
+        Ok(())
+    }
+
+    /// Reacts to environments that end on their own, as the driver reports them.
+    async fn watch(self: Arc<Self>, shutdown: CancellationToken) {
+        use futures_util::StreamExt as _;
+        while !shutdown.is_cancelled() {
+            let mut changes = match self.driver.changes().await {
+                Ok(Some(changes)) => changes,
+                Ok(None) => return,
+                Err(error) => {
+                    tracing::warn!(placement = %self.runtime.placement, %error, "cannot watch environments; the sweep still runs");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_secs(5)) => continue,
+                    }
+                }
+            };
+            loop {
+                let change = tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    change = changes.next() => change,
+                };
+                match change {
+                    Some(environment) => {
+                        self.reconciler.settle(environment).await;
+                    }
+                    None => break,
+                }
+            }
+        }
+    }
+
+    async fn sweep(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            if let Err(error) = self.reconciler.sweep().await {
+                tracing::warn!(placement = %self.runtime.placement, %error, "reconciliation failed");
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(self.sweep_interval) => {}
+            }
+        }
+    }
+
+    async fn handle(&self, delivery: Box<dyn Delivery>, shutdown: &CancellationToken) {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!("assignment", assignment.id = %delivery.assignment_id());
+        self.handle_delivery(delivery, shutdown).instrument(span).await;
+    }
+
+    async fn handle_delivery(&self, delivery: Box<dyn Delivery>, shutdown: &CancellationToken) {
+        let assignment_id = delivery.assignment_id().to_owned();
+        let placed = tokio::select! {
+            placed = self.place(&assignment_id) => placed,
+            () = shutdown.cancelled() => Ok(Placed::PoolFull),
+        };
+        match placed {
+            Ok(Placed::Done) => {
+                if let Err(error) = delivery.ack().await {
+                    tracing::warn!(%assignment_id, %error, "ack failed; the delivery will come again and find the environment");
+                }
+            }
+            Ok(Placed::PoolFull) => {
+                tracing::debug!(%assignment_id, placement = %self.runtime.placement, "pool full; the assignment waits in the queue");
+                let _ = delivery.nak(self.nak_delay).await;
+            }
+            Err(PlaceError::Driver(error)) if error.is_refusal() => {
+                let reason = format!("the {} environment could not be created: {error}", self.runtime.placement);
+                if let Err(failed) = self.lifecycle.fail(&assignment_id, &reason).await {
+                    tracing::warn!(%assignment_id, "cannot fail the task yet: {}", crate::error_chain(&failed));
+                    let _ = delivery.nak(self.nak_delay).await;
+                } else if let Err(error) = delivery.ack().await {
+                    tracing::warn!(%assignment_id, %error, "ack failed");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%assignment_id, "creating the environment failed; retrying later: {}", crate::error_chain(&error));
+                let _ = delivery.nak(self.nak_delay).await;
+            }
+        }
+    }
+
+    async fn place(&self, assignment_id: &str) -> Result<Placed, PlaceError> {
+        let Some(record) = self.store.get(assignment_id).await? else {
+            tracing::warn!(%assignment_id, "queued assignment has no record; dropping the message");
+            return Ok(Placed::Done);
+        };
+        if record.value.is_terminal() {
+            return Ok(Placed::Done);
+        }
+        let name = driver::environment_name(&self.settings.instance, assignment_id);
+        if record.value.environment.is_some() {
+            if self.driver.get(&name).await?.is_some() {
+                self.runtime.pool.adopt(assignment_id);
+                return Ok(Placed::Done);
+            }
+            if record.value.state != store::State::Pending {
+                // It ran and is gone: a second environment would run the job twice.
+                let reason = format!("the job's environment {name} disappeared before the job finished");
+                self.lifecycle.fail(assignment_id, &reason).await.map_err(|e| PlaceError::Envelope(crate::error_chain(&e)))?;
+                return Ok(Placed::Done);
+            }
+        }
+        if !self.runtime.pool.acquire_within(assignment_id, self.hold).await {
+            return Ok(Placed::PoolFull);
+        }
+        let spec = match self.spec(&record.value, &name) {
+            Ok(spec) => spec,
+            Err(error) => {
+                self.runtime.pool.release(assignment_id);
+                return Err(error);
+            }
+        };
+        crate::failpoint::hit("before-create");
+        let environment = match self.driver.create(&spec).await {
+            Ok(environment) => environment,
+            Err(error) => {
+                self.runtime.pool.release(assignment_id);
+                return Err(error.into());
+            }
+        };
+        crate::failpoint::hit("after-create");
+        // Record the recovery metadata before acknowledging (the facade may have
+        // claimed meanwhile: modify re-reads on conflicts).
+        let recorded =
+            store::modify(self.store.as_ref(), assignment_id, |current| Some(Record { environment: Some(environment.name.clone()), ..current.clone() }))
+                .await?;
+        tracing::info!(%assignment_id, environment = %environment.name, placement = %self.runtime.placement, "environment created");
+        // Finished while it was being created (cancelled in Gitea): retire it now.
+        if recorded.is_some_and(|r| r.value.is_terminal()) {
+            let (driver, name, id) = (Arc::clone(&self.driver), environment.name.clone(), assignment_id.to_owned());
+            crate::lifecycle::retire(driver.as_ref(), &name, &id, Duration::ZERO, || {
+                self.runtime.pool.release(assignment_id);
+            })
+            .await;
+        }
+        Ok(Placed::Done)
+    }
+
+    fn spec(&self, record: &Record, name: &str) -> Result<EnvironmentSpec, PlaceError> {
+        let assignment = Assignment::decode(&record.envelope, &self.rules).map_err(|error| PlaceError::Envelope(crate::error_chain(&error)))?;
+        Ok(environment_spec(&assignment, self.runtime.placement, name, &self.settings, &self.key))
+    }
+}
+
+/// What every driver is asked to create for `assignment`: its name, recovery labels and
+/// the environment contract — only the variables that have a value.
+pub fn environment_spec(
+    assignment: &Assignment,
+    placement: crate::assignment::Placement,
+    name: &str,
+    settings: &EnvironmentSettings,
+    key: &CapabilityKey,
+) -> EnvironmentSpec {
+    let expires =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()).saturating_add(settings.capability_ttl.as_secs());
+    let spiffe = settings.spiffe_endpoint_socket.is_some();
+    let contract = Contract {
+        assignment_id: Some(assignment.id.clone()),
+        capability: Some(key.issue(&assignment.id, expires)),
+        facade_url: Some(settings.facade_url.clone()),
+        facade_spiffe_id: settings.facade_spiffe_id.clone(),
+        spiffe_id: spiffe.then(|| assignment.identity.spiffe_id.clone()),
+        spiffe_endpoint_socket: settings.spiffe_endpoint_socket.clone(),
+        runner_labels_json: Some(Contract::labels_json(&placement::runner_labels(&assignment.runs_on))),
+        gitea_url: settings.gitea_url.clone(),
+    };
+    EnvironmentSpec {
+        assignment_id: assignment.id.clone(),
+        name: name.to_owned(),
+        labels: driver::labels_for(&settings.instance, &assignment.id, placement),
+        env: contract.to_vars(),
+    }
+}
+
+enum Placed {
+    Done,
+    PoolFull,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum PlaceError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Driver(#[from] driver::DriverError),
+    #[error("stored envelope is invalid: {0}")]
+    Envelope(String),
+}

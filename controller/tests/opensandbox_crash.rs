@@ -1,0 +1,200 @@
+//! The vm.opensandbox placement in the real controller process, against the real
+//! opensandbox-server: the process is killed (SIGKILL, the `after-create` crash point of
+//! the `test-driver` build) after the sandbox was made and before the record names it.
+//! After a restart the pool is rebuilt from the server's listing, the queued assignment
+//! finds the sandbox it already has (exactly one exists), the test — playing the
+//! supervisor over the development-mode TCP facade — claims and finishes the task once,
+//! and the sandbox is deleted.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::{
+    os::unix::fs::PermissionsExt,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::{
+    dockerd::{Dockerd, dockerd, import_image},
+    fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN},
+    pool_in_use,
+};
+use controller::store::{Store, jetstream::JetStream};
+use proto::{
+    facade::v1::{AssignmentCredential, ClaimRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient},
+    runner::v1::{Result as TaskResult, TaskState, UpdateTaskRequest as RunnerUpdate},
+};
+use testkit::{nats::NatsServer, opensandbox::OpenSandbox};
+
+const IMAGE: &str = "gdr-sandbox:test";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Stop(Child);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sandboxes(docker: &Dockerd) -> Vec<String> {
+    let output = docker.cli().args(["ps", "-a", "--filter", "label=gitea-dynamic-runner/placement=vm.opensandbox", "--format", "{{.Names}}"]).output().unwrap();
+    String::from_utf8_lossy(&output.stdout).lines().map(str::to_owned).collect()
+}
+
+fn env_var(docker: &Dockerd, container: &str, name: &str) -> String {
+    let output = docker.cli().args(["inspect", "--format", "{{range .Config.Env}}{{println .}}{{end}}", container]).output().unwrap();
+    let prefix = format!("{name}=");
+    String::from_utf8_lossy(&output.stdout).lines().find_map(|l| l.strip_prefix(&prefix).map(str::to_owned)).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_create_and_record_keeps_exactly_one_sandbox() {
+    let docker = dockerd();
+    import_image(&docker, IMAGE);
+    let server = tokio::task::block_in_place(|| OpenSandbox::start(&format!("unix://{}", docker.socket.display()), IMAGE));
+    let nats = NatsServer::start();
+    let gitea = FakeGitea::start().await;
+    gitea.add_job(Job::new(&["disposable", "vm"]));
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("registration-token"), REGISTRATION_TOKEN).unwrap();
+    std::fs::write(d.join("capability.key"), "0123456789abcdef0123456789abcdef-sandbox-crash\n").unwrap();
+    std::fs::set_permissions(d.join("capability.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let facade = format!("127.0.0.1:{}", free_port());
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let config = d.join("controller.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"[gitea]
+url = "{gitea}"
+registration_token_file = "{dir}/registration-token"
+credential_dir = "{dir}/runners"
+fetch_interval = "100ms"
+reconcile_interval = "1s"
+
+[identity]
+trust_domain = "example.org"
+
+[store]
+kind = "jetstream"
+url = "{nats}"
+ack_wait = "2s"
+
+[facade]
+capability_key_file = "{dir}/capability.key"
+insecure_listen = "{facade}"
+url = "http://{facade}"
+
+[http]
+listen = "{metrics}"
+
+[[pool]]
+placement = "vm.opensandbox"
+capacity = 2
+
+[opensandbox]
+url = "{server}"
+api_key_file = "{key}"
+image = "{IMAGE}"
+entrypoint = ["/bin/sleep", "3600"]
+cpu = "500m"
+memory = "128Mi"
+timeout = "10m"
+"#,
+            gitea = gitea.url(),
+            dir = d.display(),
+            nats = nats.url,
+            server = server.url(),
+            key = server.api_key_file().display(),
+        ),
+    )
+    .unwrap();
+    let controller = |crash_at: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_controller"));
+        command
+            .args(["run", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(d.join(format!("controller-{}.log", crash_at.unwrap_or("ok")))).unwrap());
+        if let Some(point) = crash_at {
+            command.env("GDR_TEST_CRASH_AT", point);
+        }
+        command.spawn().unwrap()
+    };
+    let logs = || {
+        ["controller-after-create.log", "controller-ok.log"]
+            .iter()
+            .map(|name| format!("--- {name}\n{}", std::fs::read_to_string(d.join(name)).unwrap_or_default()))
+            .collect::<String>()
+    };
+
+    let mut crashing = controller(Some("after-create"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = crashing.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the controller did not reach after-create:\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}\n{}", logs());
+    let made = sandboxes(&docker);
+    assert_eq!(made.len(), 1, "the crash point comes after the sandbox was made: {made:?}");
+    let id = env_var(&docker, &made[0], "CI_ASSIGNMENT_ID");
+    let store = JetStream::connect(&nats.url, "ci.assignments", "ci-assignments", Duration::from_secs(2)).await.unwrap();
+    let record = store.get(&id).await.unwrap().unwrap().value;
+    assert_eq!(record.environment, None, "the record was written before the crash point");
+
+    let _running = Stop(controller(None));
+    // The pool is rebuilt from the server's listing, and the queued assignment adopts the
+    // sandbox it already has.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let recorded = store.get(&id).await.unwrap().unwrap().value.environment;
+        if recorded.is_some() && pool_in_use(&metrics).await == Some(1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recorded environment or pool slot after the restart:\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(sandboxes(&docker), made, "exactly the first sandbox, no second one");
+
+    // The supervisor's part, over the development-mode facade.
+    let capability = env_var(&docker, &made[0], "CI_RUNNER_CAPABILITY");
+    assert_eq!(env_var(&docker, &made[0], "CI_RUNNER_FACADE_URL"), format!("http://{facade}"));
+    let mut client = FacadeServiceClient::connect(format!("http://{facade}")).await.unwrap();
+    let credential = Some(AssignmentCredential { assignment_id: id.clone(), capability });
+    let task = client
+        .claim(ClaimRequest { credential: credential.clone(), holder: "sandbox-crash-holder-0123456789".into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .task
+        .unwrap();
+    let done = RunnerUpdate {
+        state: Some(TaskState { id: task.id, result: TaskResult::Success as i32, stopped_at: Some(prost_types::Timestamp::default()), ..Default::default() }),
+        outputs: Default::default(),
+    };
+    client.update_task(UpdateTaskRequest { credential, request: Some(done) }).await.unwrap();
+    gitea.with(|state| {
+        assert_eq!(state.tasks.len(), 1);
+        assert_eq!(state.tasks.values().next().unwrap().final_result, Some(TaskResult::Success as i32));
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !sandboxes(&docker).is_empty() {
+        assert!(Instant::now() < deadline, "the finished task's sandbox was not deleted:\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(server);
+}

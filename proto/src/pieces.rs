@@ -1,0 +1,144 @@
+//! Cutting a runner's large reports into smaller calls that mean the same to Gitea.
+//!
+//! gitea-runner sends its whole unacknowledged log backlog in one UpdateLog and all its
+//! unsent outputs in one UpdateTask; after an outage that can be far more than the
+//! limits between it and Gitea (the facade's, a proxy's in front of Gitea). Gitea's
+//! semantics allow cutting both:
+//! - UpdateLog appends rows at `index` and acknowledges how many it holds, so rows can
+//!   go in consecutive pieces, `no_more` only on the last;
+//! - UpdateTask stores outputs on any call (first write wins) and only a result other
+//!   than unspecified ends the task, so outputs can go ahead in calls carrying a
+//!   running state, and the real state goes last.
+
+use prost::Message as _;
+
+use crate::runner::v1::{Result as TaskResult, TaskState, UpdateLogRequest, UpdateTaskRequest};
+
+/// Framing overhead of one repeated element (tag and length), an upper bound.
+const ELEMENT_OVERHEAD: usize = 11;
+
+/// Cuts `request` into consecutive pieces whose encoding stays under `max_bytes`
+/// (a single larger row goes alone). One piece when it already fits. Every piece
+/// carries the task id and its own start index; only the last carries `no_more`.
+pub fn log_pieces(request: &UpdateLogRequest, max_bytes: usize) -> Vec<UpdateLogRequest> {
+    if request.encoded_len() <= max_bytes || request.rows.len() <= 1 {
+        return vec![request.clone()];
+    }
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    while start < request.rows.len() {
+        let mut end = start;
+        let mut size = 32;
+        while end < request.rows.len() {
+            let row = request.rows[end].encoded_len() + ELEMENT_OVERHEAD;
+            if end > start && size + row > max_bytes {
+                break;
+            }
+            size += row;
+            end += 1;
+        }
+        pieces.push(UpdateLogRequest {
+            task_id: request.task_id,
+            index: request.index + i64::try_from(start).unwrap_or(i64::MAX),
+            rows: request.rows[start..end].to_vec(),
+            no_more: request.no_more && end == request.rows.len(),
+        });
+        start = end;
+    }
+    pieces
+}
+
+/// Cuts `request` so that each call stays under `max_bytes`: the outputs that do not
+/// fit go ahead in calls with a running state of the same task (no steps), and the
+/// real state goes in the last call with the remaining outputs. One call when it fits.
+pub fn task_pieces(request: &UpdateTaskRequest, max_bytes: usize) -> Vec<UpdateTaskRequest> {
+    if request.encoded_len() <= max_bytes || request.outputs.len() <= 1 {
+        return vec![request.clone()];
+    }
+    let id = request.state.as_ref().map_or(0, |s| s.id);
+    let running = TaskState { id, result: TaskResult::Unspecified as i32, ..Default::default() };
+    let state_size = request.state.as_ref().map_or(0, prost::Message::encoded_len) + ELEMENT_OVERHEAD;
+    let mut outputs: Vec<(&String, &String)> = request.outputs.iter().collect();
+    outputs.sort();
+    let mut pieces = Vec::new();
+    let mut current = UpdateTaskRequest { state: Some(running.clone()), outputs: Default::default() };
+    let mut size = 32;
+    for (key, value) in outputs {
+        let entry = key.len() + value.len() + 3 * ELEMENT_OVERHEAD;
+        if !current.outputs.is_empty() && size + entry > max_bytes.saturating_sub(state_size) {
+            pieces.push(std::mem::replace(&mut current, UpdateTaskRequest { state: Some(running.clone()), outputs: Default::default() }));
+            size = 32;
+        }
+        size += entry;
+        current.outputs.insert(key.clone(), value.clone());
+    }
+    current.state = request.state.clone();
+    pieces.push(current);
+    pieces
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runner::v1::LogRow;
+
+    fn rows(n: usize, size: usize) -> Vec<LogRow> {
+        (0..n).map(|i| LogRow { time: None, content: format!("{i:06}{}", "x".repeat(size)) }).collect()
+    }
+
+    #[test]
+    fn small_logs_stay_whole() {
+        let request = UpdateLogRequest { task_id: 7, index: 3, rows: rows(10, 10), no_more: true };
+        assert_eq!(log_pieces(&request, 1 << 20), vec![request]);
+    }
+
+    #[test]
+    fn large_logs_become_consecutive_pieces() {
+        let request = UpdateLogRequest { task_id: 7, index: 100, rows: rows(1000, 1000), no_more: true };
+        let pieces = log_pieces(&request, 64 << 10);
+        assert!(pieces.len() > 10, "{}", pieces.len());
+        let mut next = 100;
+        for (i, piece) in pieces.iter().enumerate() {
+            assert!(piece.encoded_len() <= 64 << 10, "piece {i} is {} bytes", piece.encoded_len());
+            assert_eq!(piece.index, next);
+            assert_eq!(piece.task_id, 7);
+            assert_eq!(piece.no_more, i == pieces.len() - 1);
+            next += i64::try_from(piece.rows.len()).unwrap();
+        }
+        let joined: Vec<LogRow> = pieces.into_iter().flat_map(|p| p.rows).collect();
+        assert_eq!(joined, request.rows);
+        let open = UpdateLogRequest { no_more: false, ..request };
+        assert!(log_pieces(&open, 64 << 10).iter().all(|p| !p.no_more));
+    }
+
+    #[test]
+    fn a_row_larger_than_the_limit_goes_alone() {
+        let mut all = rows(3, 10);
+        all.insert(1, LogRow { time: None, content: "y".repeat(100_000) });
+        let request = UpdateLogRequest { task_id: 1, index: 0, rows: all, no_more: false };
+        let pieces = log_pieces(&request, 10_000);
+        assert_eq!(pieces.iter().map(|p| p.rows.len()).collect::<Vec<_>>(), [1, 1, 2]);
+        assert_eq!(pieces.iter().map(|p| p.index).collect::<Vec<_>>(), [0, 1, 2]);
+    }
+
+    #[test]
+    fn outputs_go_ahead_and_the_state_goes_last() {
+        let state = TaskState { id: 9, result: TaskResult::Success as i32, ..Default::default() };
+        let outputs = (0..50).map(|i| (format!("key{i:02}"), "v".repeat(10_000))).collect();
+        let request = UpdateTaskRequest { state: Some(state.clone()), outputs };
+        let pieces = task_pieces(&request, 64 << 10);
+        assert!(pieces.len() > 5);
+        for piece in &pieces[..pieces.len() - 1] {
+            assert_eq!(piece.state.as_ref().map(|s| (s.id, s.result)), Some((9, TaskResult::Unspecified as i32)));
+            assert!(piece.encoded_len() <= 64 << 10);
+        }
+        assert_eq!(pieces.last().unwrap().state, Some(state));
+        let mut keys: Vec<String> = pieces.iter().flat_map(|p| p.outputs.keys().cloned()).collect();
+        keys.sort();
+        let mut want: Vec<String> = request.outputs.keys().cloned().collect();
+        want.sort();
+        assert_eq!(keys, want);
+        let small = UpdateTaskRequest { state: request.state.clone(), outputs: Default::default() };
+        assert_eq!(task_pieces(&small, 64 << 10), vec![small]);
+    }
+}

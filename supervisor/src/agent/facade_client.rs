@@ -1,0 +1,189 @@
+//! The agent's client of the controller's facade: over the unix socket the docker
+//! driver mounts in (capability only), over SPIFFE mTLS with the job's own SVID (the
+//! server must present exactly the facade's SPIFFE ID), or — development mode, see
+//! `contract::facade` — plain HTTP/2 to a private address (capability only).
+
+use std::{sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use connect::{Code, ConnectError};
+use contract::facade::FacadeUrl;
+use proto::{
+    facade::v1::{
+        AssignmentCredential, ClaimRequest, Phase, ReportPhaseRequest, UpdateLogRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient,
+    },
+    runner::v1::{self as runner, Task},
+};
+use tonic::transport::Channel;
+
+use super::loopback::Upstream;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FacadeClientError {
+    #[error("invalid facade URL: {0}")]
+    Url(String),
+    #[error("https facade URLs need the facade's SPIFFE ID (CI_RUNNER_FACADE_SPIFFE_ID) and a Workload API endpoint")]
+    MissingSpiffe,
+    #[error("cannot set up mTLS to the facade: {0}")]
+    Tls(String),
+    #[error("cannot connect to the facade at {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("the facade refused the claim of {assignment_id}: {status}")]
+    Claim { assignment_id: String, status: tonic::Status },
+}
+
+#[derive(Clone)]
+pub struct FacadeClient {
+    inner: FacadeServiceClient<Channel>,
+    credential: AssignmentCredential,
+}
+
+impl std::fmt::Debug for FacadeClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FacadeClient").field("assignment_id", &self.credential.assignment_id).finish_non_exhaustive()
+    }
+}
+
+impl FacadeClient {
+    /// Connects to `url`; for https, with the SVID from `spiffe_endpoint` and only to a
+    /// server whose SPIFFE ID is `facade_spiffe_id`.
+    ///
+    /// # Errors
+    /// A bad URL, missing SPIFFE settings, or no connection.
+    pub async fn connect(
+        url: &str,
+        facade_spiffe_id: Option<&str>,
+        spiffe_endpoint: Option<&str>,
+        assignment_id: &str,
+        capability: &str,
+    ) -> Result<Self, FacadeClientError> {
+        let endpoint = tonic::transport::Endpoint::try_from("http://facade.local")
+            .map_err(|_| FacadeClientError::Url(url.to_owned()))?
+            .connect_timeout(Duration::from_secs(10));
+        let parsed = contract::facade::FacadeUrl::parse(url).map_err(FacadeClientError::Url)?;
+        let channel = match parsed {
+            FacadeUrl::Unix(path) => {
+                endpoint
+                    .connect_with_connector(tower::service_fn(move |_| {
+                        let path = path.clone();
+                        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+                    }))
+                    .await
+            }
+            // Development mode: capability only, to a loopback or private address.
+            FacadeUrl::InsecureHttp(address) => {
+                endpoint
+                    .connect_with_connector(tower::service_fn(move |_| async move {
+                        let tcp = tokio::net::TcpStream::connect(address).await?;
+                        tcp.set_nodelay(true)?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
+                    }))
+                    .await
+            }
+            FacadeUrl::Https(authority) => {
+                let (Some(facade_id), Some(workload)) = (facade_spiffe_id.filter(|s| !s.is_empty()), spiffe_endpoint) else {
+                    return Err(FacadeClientError::MissingSpiffe);
+                };
+                let source = spiffe::X509Source::builder().endpoint(workload).build().await.map_err(|e| FacadeClientError::Tls(e.to_string()))?;
+                let authorizer = spiffe_rustls::authorizer::exact([facade_id]).map_err(|e| FacadeClientError::Tls(e.to_string()))?;
+                let config = spiffe_rustls::mtls_client(source)
+                    .authorize(authorizer)
+                    .with_alpn_protocols([b"h2"])
+                    .build()
+                    .map_err(|e| FacadeClientError::Tls(e.to_string()))?;
+                let config = Arc::new(config);
+                endpoint
+                    .connect_with_connector(tower::service_fn(move |_| {
+                        let (config, authority) = (Arc::clone(&config), authority.clone());
+                        async move {
+                            let tcp = tokio::net::TcpStream::connect(&authority).await?;
+                            let host = authority.rsplit_once(':').map_or(authority.as_str(), |(host, _)| host).to_owned();
+                            // The server is verified by its SPIFFE ID, not by this name.
+                            let name = rustls::pki_types::ServerName::try_from(host).map_err(std::io::Error::other)?;
+                            let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+                        }
+                    }))
+                    .await
+            }
+        }
+        .map_err(|source| FacadeClientError::Connect { url: url.to_owned(), source })?;
+        Ok(FacadeClient {
+            inner: FacadeServiceClient::new(channel),
+            credential: AssignmentCredential { assignment_id: assignment_id.to_owned(), capability: capability.to_owned() },
+        })
+    }
+
+    /// Claims the task, retrying while the facade is unavailable (until `deadline`).
+    ///
+    /// # Errors
+    /// A refusal (wrong identity or capability, another holder) or the deadline.
+    pub async fn claim(&self, holder: &str, deadline: Duration) -> Result<Task, FacadeClientError> {
+        let give_up = tokio::time::Instant::now() + deadline;
+        let mut delay = Duration::from_millis(200);
+        loop {
+            let request = ClaimRequest { credential: Some(self.credential.clone()), holder: holder.to_owned() };
+            match self.inner.clone().claim(request).await {
+                Ok(response) => {
+                    if let Some(task) = response.into_inner().task {
+                        return Ok(task);
+                    }
+                    return Err(FacadeClientError::Claim {
+                        assignment_id: self.credential.assignment_id.clone(),
+                        status: tonic::Status::internal("the facade answered without a task"),
+                    });
+                }
+                // Unavailable, or a connection that failed (e.g. a TLS handshake during an
+                // SVID rotation): try again.
+                Err(status)
+                    if (status.code() == tonic::Code::Unavailable || (status.code() == tonic::Code::Unknown && status.message() == "transport error"))
+                        && tokio::time::Instant::now() + delay < give_up =>
+                {
+                    tracing::warn!(%status, retry_in = ?delay, "facade unavailable; retrying the claim");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+                Err(status) => return Err(FacadeClientError::Claim { assignment_id: self.credential.assignment_id.clone(), status }),
+            }
+        }
+    }
+
+    /// Best effort: a phase that cannot be reported is only logged.
+    pub async fn report(&self, phase: Phase, detail: &str, exit_code: i32) {
+        let request = ReportPhaseRequest {
+            credential: Some(self.credential.clone()),
+            phase: phase as i32,
+            at: Some(prost_types::Timestamp::from(std::time::SystemTime::now())),
+            detail: detail.chars().take(4096).collect(),
+            exit_code,
+        };
+        if let Err(status) = self.inner.clone().report_phase(request).await {
+            tracing::warn!(phase = phase.as_str_name(), %status, "cannot report the phase to the facade");
+        }
+    }
+}
+
+/// The facade's gRPC status as the Connect error gitea-runner would get from Gitea.
+fn to_connect(status: tonic::Status) -> ConnectError {
+    let code = Code::from_grpc(status.code() as i32).unwrap_or(Code::Unknown);
+    ConnectError::new(code, status.message().to_owned())
+}
+
+#[async_trait]
+impl Upstream for FacadeClient {
+    async fn update_task(&self, request: runner::UpdateTaskRequest) -> Result<runner::UpdateTaskResponse, ConnectError> {
+        let request = UpdateTaskRequest { credential: Some(self.credential.clone()), request: Some(request) };
+        let response = self.inner.clone().update_task(request).await.map_err(to_connect)?;
+        response.into_inner().response.ok_or_else(|| ConnectError::internal("the facade answered without Gitea's reply"))
+    }
+
+    async fn update_log(&self, request: runner::UpdateLogRequest) -> Result<runner::UpdateLogResponse, ConnectError> {
+        let request = UpdateLogRequest { credential: Some(self.credential.clone()), request: Some(request) };
+        let response = self.inner.clone().update_log(request).await.map_err(to_connect)?;
+        response.into_inner().response.ok_or_else(|| ConnectError::internal("the facade answered without Gitea's reply"))
+    }
+}

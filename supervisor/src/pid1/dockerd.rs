@@ -1,0 +1,211 @@
+//! The job-local dockerd: its command line (pure), its readiness probe, its log.
+//!
+//! Readiness is `GET /_ping` answering 200 `OK` on the unix socket: dockerd listens
+//! before it serves, so the socket existing proves nothing (moby daemon start-up).
+
+use std::{
+    ffi::OsString,
+    io::{Read, Write},
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use crate::cli::Bridge;
+
+/// What dockerd is started with.
+#[derive(Debug, Clone)]
+pub struct DockerdConfig {
+    pub dockerd: PathBuf,
+    pub data_root: PathBuf,
+    pub exec_root: PathBuf,
+    pub socket: PathBuf,
+    pub pidfile: PathBuf,
+    pub group: u32,
+    pub bridge: Bridge,
+    /// dockerd's own budget for stopping containers on SIGTERM.
+    pub shutdown_timeout: Duration,
+    pub mtu: Option<u32>,
+}
+
+/// dockerd's arguments: job-local paths, explicit cgroupfs driver (dockerd would pick
+/// systemd on v2 if /run/systemd/system exists), overlay2 storage, no TCP listener.
+pub fn args(config: &DockerdConfig) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec![
+        format!("--host=unix://{}", config.socket.display()).into(),
+        format!("--group={}", config.group).into(),
+        arg_path("--data-root=", &config.data_root),
+        arg_path("--exec-root=", &config.exec_root),
+        arg_path("--pidfile=", &config.pidfile),
+        "--exec-opt=native.cgroupdriver=cgroupfs".into(),
+        "--storage-driver=overlay2".into(),
+        format!("--shutdown-timeout={}", config.shutdown_timeout.as_secs().max(1)).into(),
+    ];
+    match config.bridge {
+        Bridge::Default => {
+            // Only the default bridge: `--default-network-opt` (per-job networks) needs
+            // dockerd ≥ 24, and Debian's 20.10 refuses to start with it.
+            if let Some(mtu) = config.mtu {
+                args.push(format!("--mtu={mtu}").into());
+            }
+        }
+        Bridge::None => {
+            args.push("--bridge=none".into());
+            args.push("--iptables=false".into());
+            args.push("--ip6tables=false".into());
+        }
+    }
+    args
+}
+
+fn arg_path(flag: &str, path: &Path) -> OsString {
+    let mut arg = OsString::from(flag);
+    arg.push(path.as_os_str());
+    arg
+}
+
+/// The MTU of the environment's uplink, for dockerd's bridges: CI pods on overlay
+/// networks have MTUs below 1500, and a larger bridge MTU makes downloads hang.
+pub fn uplink_mtu(sys_class_net: &Path) -> Option<u32> {
+    let mtu: u32 = std::fs::read_to_string(sys_class_net.join("eth0/mtu")).ok()?.trim().parse().ok()?;
+    (mtu > 0 && mtu < 1500).then_some(mtu)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PingError {
+    #[error("cannot connect to {socket}")]
+    Connect {
+        socket: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no answer from {socket}")]
+    Io {
+        socket: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("GET /_ping on {socket} answered {status_line:?}")]
+    NotOk { socket: PathBuf, status_line: String },
+}
+
+/// One `GET /_ping` over the unix socket, bounded by `timeout`. Hand-written HTTP/1.0
+/// because PID 1 stays synchronous and needs nothing more than a status line.
+///
+/// # Errors
+/// Anything but `200` with body `OK`.
+pub fn ping(socket: &Path, timeout: Duration) -> Result<Duration, PingError> {
+    let started = Instant::now();
+    let io = |source| PingError::Io { socket: socket.to_owned(), source };
+    let mut stream = UnixStream::connect(socket).map_err(|source| PingError::Connect { socket: socket.to_owned(), source })?;
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    stream.set_write_timeout(Some(timeout)).map_err(io)?;
+    stream.write_all(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n").map_err(io)?;
+    let mut answer = Vec::with_capacity(512);
+    stream.take(64 * 1024).read_to_end(&mut answer).map_err(io)?;
+    let text = String::from_utf8_lossy(&answer);
+    let status_line = text.lines().next().unwrap_or("").to_owned();
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+    if status_line.split_whitespace().nth(1) == Some("200") && body.trim() == "OK" {
+        Ok(started.elapsed())
+    } else {
+        Err(PingError::NotOk { socket: socket.to_owned(), status_line })
+    }
+}
+
+/// The last `lines` lines of a log file, for error messages and `doctor`.
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let Ok(text) = std::fs::read(path) else { return String::new() };
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(bridge: Bridge, mtu: Option<u32>) -> DockerdConfig {
+        DockerdConfig {
+            dockerd: "dockerd".into(),
+            data_root: "/var/lib/docker".into(),
+            exec_root: "/var/run/docker".into(),
+            socket: "/var/run/docker.sock".into(),
+            pidfile: "/var/run/docker.pid".into(),
+            group: 2001,
+            bridge,
+            shutdown_timeout: Duration::from_secs(10),
+            mtu,
+        }
+    }
+
+    fn strings(args: Vec<OsString>) -> Vec<String> {
+        args.into_iter().map(|a| a.into_string().unwrap()).collect()
+    }
+
+    #[test]
+    fn default_bridge_arguments() {
+        assert_eq!(
+            strings(args(&config(Bridge::Default, None))),
+            [
+                "--host=unix:///var/run/docker.sock",
+                "--group=2001",
+                "--data-root=/var/lib/docker",
+                "--exec-root=/var/run/docker",
+                "--pidfile=/var/run/docker.pid",
+                "--exec-opt=native.cgroupdriver=cgroupfs",
+                "--storage-driver=overlay2",
+                "--shutdown-timeout=10",
+            ]
+        );
+    }
+
+    #[test]
+    fn mtu_and_no_bridge() {
+        let with_mtu = strings(args(&config(Bridge::Default, Some(1450))));
+        assert!(with_mtu.contains(&"--mtu=1450".to_owned()));
+        assert!(!with_mtu.iter().any(|a| a.starts_with("--default-network-opt")));
+        let none = strings(args(&config(Bridge::None, Some(1450))));
+        assert!(none.contains(&"--bridge=none".to_owned()));
+        assert!(none.contains(&"--iptables=false".to_owned()));
+        assert!(!none.iter().any(|a| a.starts_with("--mtu")));
+    }
+
+    #[test]
+    fn ping_against_a_fake_socket() {
+        use std::os::unix::net::UnixListener;
+        let dir = std::env::temp_dir().join(format!("ping-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (answer, ok) in [
+            ("HTTP/1.1 200 OK\r\nApi-Version: 1.41\r\n\r\nOK", true),
+            ("HTTP/1.1 500 Internal Server Error\r\n\r\nOK", false),
+            ("HTTP/1.1 200 OK\r\n\r\nnot ok", false),
+        ] {
+            let socket = dir.join("d.sock");
+            let _ = std::fs::remove_file(&socket);
+            let listener = UnixListener::bind(&socket).unwrap();
+            let server = std::thread::spawn(move || {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut request = [0u8; 256];
+                let n = stream.read(&mut request).unwrap();
+                assert!(String::from_utf8_lossy(&request[..n]).starts_with("GET /_ping HTTP/1.0"));
+                stream.write_all(answer.as_bytes()).unwrap();
+            });
+            assert_eq!(ping(&socket, Duration::from_secs(2)).is_ok(), ok, "{answer:?}");
+            server.join().unwrap();
+        }
+        assert!(matches!(ping(&dir.join("missing.sock"), Duration::from_secs(1)), Err(PingError::Connect { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn mtu_detection() {
+        let dir = std::env::temp_dir().join(format!("mtu-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("eth0")).unwrap();
+        for (text, want) in [("1450\n", Some(1450)), ("1500\n", None), ("9000\n", None), ("x", None)] {
+            std::fs::write(dir.join("eth0/mtu"), text).unwrap();
+            assert_eq!(uplink_mtu(&dir), want, "{text:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

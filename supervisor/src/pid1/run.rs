@@ -1,0 +1,412 @@
+//! `supervisor run`: PID 1's whole life, synchronous at heart.
+//!
+//! 1. cgroups (v2: nest into `init`), state directories;
+//! 2. the agent, started at once as the runner uid so that the identity wait overlaps
+//!    with storage and dockerd;
+//! 3. storage for /var/lib/docker and the job-local dockerd, ready on `/_ping`, reported
+//!    to the agent through a pipe;
+//! 4. signals forwarded to the agent until it exits; SIGTERM starts the drain;
+//! 5. the ordered drain — agent, dockerd, leftovers, unmount, loop detach — bounded by
+//!    the drain deadline, then the agent's exit code.
+//!
+//! Once the agent runs, nothing here may bail out: errors are logged and the drain
+//! still happens (a PID 1 that exits early takes everything down uncleaned).
+
+use std::{
+    fs,
+    io::Write,
+    os::{
+        fd::{AsRawFd, OwnedFd},
+        unix::{fs::PermissionsExt, process::CommandExt},
+    },
+    path::PathBuf,
+    process::{Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+use nix::{fcntl::OFlag, sys::signal::Signal, unistd::Pid};
+
+use super::{
+    Event, Pid1, cgroup,
+    dockerd::{self, DockerdConfig},
+    spawn,
+    storage::{self, Prepared, StorageConfig},
+};
+use crate::{
+    agent::{self, AgentConfig, FacadeSettings, IdentitySettings},
+    cli::RunArgs,
+    exit::{self, ChildStatus},
+};
+
+/// How often dockerd is pinged while starting (the benchmark floor polls as often).
+const PING_INTERVAL: Duration = Duration::from_millis(10);
+
+pub fn run(args: RunArgs) -> u8 {
+    let pid1 = match Pid1::new() {
+        Ok(pid1) => pid1,
+        Err(error) => {
+            tracing::error!("{}", crate::error_chain(&error));
+            return exit::INTERNAL;
+        }
+    };
+    let mut supervisor = Supervisor { pid1, args, agent: None, dockerd: None, storage: None, drain_started: None, agent_status: None };
+    supervisor.main()
+}
+
+struct Supervisor {
+    pid1: Pid1,
+    args: RunArgs,
+    agent: Option<Pid>,
+    dockerd: Option<Pid>,
+    storage: Option<Prepared>,
+    /// When SIGTERM arrived: the drain deadline counts from here.
+    drain_started: Option<Instant>,
+    agent_status: Option<ChildStatus>,
+}
+
+/// Stop preparing: the agent ended or SIGTERM arrived.
+struct Interrupted;
+
+impl Supervisor {
+    fn main(&mut self) -> u8 {
+        let started = Instant::now();
+        tracing::info!(
+            pid = std::process::id(),
+            drain_timeout = ?self.args.drain_timeout,
+            "supervisor starting; the drain needs a termination grace period longer than the drain timeout"
+        );
+        if self.args.environment.docker {
+            self.nest_cgroups();
+        }
+        let agent_dir = self.args.state_dir.join("agent");
+        if let Err(error) = self.prepare_state_dir(&agent_dir) {
+            tracing::error!(dir = %agent_dir.display(), %error, "cannot prepare the state directory");
+            return exit::INTERNAL;
+        }
+        let report = match self.start_agent(&agent_dir) {
+            Ok(report) => report,
+            Err(code) => return code,
+        };
+        if let Some(report) = report {
+            let outcome = self.start_docker();
+            let line = match &outcome {
+                Ok(detail) => format!("ready {detail}\n"),
+                Err(Some(reason)) => format!("failed {reason}\n"),
+                Err(None) => "failed the supervisor is shutting down\n".to_owned(),
+            };
+            match &outcome {
+                Ok(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),
+                Err(Some(reason)) => tracing::error!("dockerd is not available: {reason}"),
+                Err(None) => {}
+            }
+            let mut pipe = fs::File::from(report);
+            // The agent may already be gone; that is handled by the event loop.
+            let _ = pipe.write_all(line.as_bytes());
+        }
+        self.supervise();
+        self.drain();
+        let code = self.agent_status.map_or(exit::INTERNAL, ChildStatus::exit_code);
+        tracing::info!(code, "supervisor exiting");
+        code
+    }
+
+    fn nest_cgroups(&mut self) {
+        match cgroup::detect(&self.args.environment.cgroup_root) {
+            cgroup::Mode::V1 => match cgroup::make_v1_writable(&self.args.environment.cgroup_root) {
+                Ok(changed) if changed.is_empty() => {
+                    tracing::info!(root = %self.args.environment.cgroup_root.display(), "cgroup v1: the hierarchies are writable")
+                }
+                Ok(changed) => tracing::info!(remounted = changed.len(), "cgroup v1: remounted the read-only hierarchies read-write for dockerd"),
+                Err(error) => tracing::warn!("cgroup v1: {}; containers of the job may not start", crate::error_chain(&error)),
+            },
+            cgroup::Mode::V2 => match cgroup::nest_v2(&self.args.environment.cgroup_root, Duration::from_secs(10)) {
+                Ok(nested) => tracing::info!(moved = nested.moved, enabled = ?nested.enabled, failed = ?nested.failed, "cgroup v2: nested into init"),
+                Err(error) => tracing::warn!("cgroup v2 nesting failed, containers may not start: {}", crate::error_chain(&error)),
+            },
+        }
+    }
+
+    fn prepare_state_dir(&self, agent_dir: &std::path::Path) -> std::io::Result<()> {
+        fs::create_dir_all(agent_dir)?;
+        nix::unistd::chown(agent_dir, Some(nix::unistd::Uid::from_raw(self.args.runner_uid)), Some(nix::unistd::Gid::from_raw(self.args.runner_gid)))?;
+        fs::set_permissions(agent_dir, fs::Permissions::from_mode(0o700))?;
+        // The hook runs as the runner uid and must reach the socket inside.
+        fs::set_permissions(&self.args.state_dir, fs::Permissions::from_mode(0o755))
+    }
+
+    /// Starts the agent; returns the write end of its dockerd report pipe (if any).
+    fn start_agent(&mut self, agent_dir: &std::path::Path) -> Result<Option<OwnedFd>, u8> {
+        let args = &self.args;
+        let config = AgentConfig {
+            identity: args.identity_on().then(|| IdentitySettings {
+                spiffe_id: args.environment.spiffe_id.clone().unwrap_or_default(),
+                endpoint: args.environment.spiffe_endpoint.clone().unwrap_or_default(),
+                timeout_ms: u64::try_from(args.identity_timeout.as_millis()).unwrap_or(u64::MAX),
+            }),
+            docker: args.environment.docker,
+            docker_host: args.environment.docker.then(|| format!("unix://{}", args.environment.docker_socket.display())),
+            socket: agent_dir.join("agent.sock"),
+            command: args.command.clone(),
+            facade: args.environment.facade_url.clone().map(|url| FacadeSettings {
+                url,
+                spiffe_id: args.facade_spiffe_id.clone(),
+                assignment_id: args.environment.assignment_id.clone().unwrap_or_default(),
+                labels: args.runner_labels(),
+                runner_dir: args.environment.runner_dir.clone(),
+                holder_file: agent_dir.join("holder"),
+                gitea_url: args.gitea_url.clone(),
+                hooks: args.runner_hooks,
+            }),
+        };
+        let json = serde_json::to_string(&config).map_err(|error| {
+            tracing::error!(%error, "cannot encode the agent's configuration");
+            exit::INTERNAL
+        })?;
+        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+        let mut command = Command::new(exe);
+        command.arg("agent").env(agent::CONFIG_ENV, json).env("HOME", &args.runner_home).env("USER", "runner").stdin(Stdio::inherit());
+        spawn::prepare(&mut command, Some(spawn::Credentials { uid: args.runner_uid, gid: args.runner_gid, groups: [args.docker_gid] }));
+        let (read, write) = if args.environment.docker {
+            let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|error| {
+                tracing::error!(%error, "cannot create the dockerd report pipe");
+                exit::INTERNAL
+            })?;
+            (Some(read), Some(write))
+        } else {
+            (None, None)
+        };
+        if let Some(read) = &read {
+            let fd = read.as_raw_fd();
+            // SAFETY: dup2 is async-signal-safe; it gives the child the pipe's read end
+            // as fd 3 without CLOEXEC, which is the agent's documented report channel.
+            unsafe {
+                command.pre_exec(move || {
+                    if fd != agent::DOCKER_FD {
+                        if libc::dup2(fd, agent::DOCKER_FD) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    } else {
+                        let flags = libc::fcntl(fd, libc::F_GETFD);
+                        libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+                    }
+                    Ok(())
+                });
+            }
+        }
+        match self.pid1.spawn(&mut command) {
+            Ok(pid) => {
+                tracing::info!(%pid, uid = args.runner_uid, "agent started");
+                self.agent = Some(pid);
+                drop(read);
+                Ok(write)
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot start the agent");
+                Err(exit::INTERNAL)
+            }
+        }
+    }
+
+    /// Storage, then dockerd until `/_ping` answers. `Err(None)` = interrupted.
+    fn start_docker(&mut self) -> Result<String, Option<String>> {
+        let storage_config = StorageConfig {
+            mountpoint: self.args.environment.docker_data_root.clone(),
+            image_path: self.args.storage_image.clone(),
+            size_bytes: self.args.storage_size,
+            mkfs: self.args.mkfs.clone(),
+            state_file: self.args.state_dir.join("storage.json"),
+        };
+        let storage_started = Instant::now();
+        match storage::prepare(&storage_config, &mut ReapingRunner(&mut self.pid1)) {
+            Ok(prepared) => {
+                tracing::info!(elapsed = ?storage_started.elapsed(), storage = ?prepared, "storage ready");
+                self.storage = Some(prepared);
+            }
+            Err(error) => {
+                return Err(Some(format!("storage for {} failed: {}", self.args.environment.docker_data_root.display(), crate::error_chain(&error))));
+            }
+        }
+        self.check_interrupts().map_err(|Interrupted| None)?;
+
+        for stale in [&self.args.docker_pidfile, &self.args.docker_exec_root.join("containerd/containerd.pid")] {
+            let _ = fs::remove_file(stale);
+        }
+        let log = match open_log(&self.args.environment.dockerd_log) {
+            Ok(log) => log,
+            Err(error) => return Err(Some(format!("cannot open {}: {error}", self.args.environment.dockerd_log.display()))),
+        };
+        let config = DockerdConfig {
+            dockerd: self.args.dockerd.clone(),
+            data_root: self.args.environment.docker_data_root.clone(),
+            exec_root: self.args.docker_exec_root.clone(),
+            socket: self.args.environment.docker_socket.clone(),
+            pidfile: self.args.docker_pidfile.clone(),
+            group: self.args.docker_gid,
+            bridge: self.args.docker_bridge,
+            shutdown_timeout: self.dockerd_shutdown_timeout(),
+            mtu: dockerd::uplink_mtu(std::path::Path::new("/sys/class/net")),
+        };
+        let mut command = Command::new(&config.dockerd);
+        command.args(dockerd::args(&config)).stdin(Stdio::null());
+        match log.try_clone() {
+            Ok(err) => command.stdout(log).stderr(err),
+            Err(_) => command.stdout(Stdio::null()).stderr(Stdio::null()),
+        };
+        spawn::prepare(&mut command, None);
+        let dockerd_started = Instant::now();
+        let pid = match self.pid1.spawn(&mut command) {
+            Ok(pid) => pid,
+            Err(error) => return Err(Some(format!("cannot start {}: {error}", config.dockerd.display()))),
+        };
+        self.dockerd = Some(pid);
+        tracing::info!(%pid, "dockerd started");
+
+        let deadline = dockerd_started + self.args.docker_ready_timeout;
+        loop {
+            match dockerd::ping(&self.args.environment.docker_socket, Duration::from_secs(2)) {
+                Ok(_) => {
+                    return Ok(format!(
+                        "{} answered /_ping {} ms after dockerd started",
+                        self.args.environment.docker_socket.display(),
+                        dockerd_started.elapsed().as_millis()
+                    ));
+                }
+                Err(error) if Instant::now() >= deadline => {
+                    return Err(Some(format!(
+                        "dockerd did not answer within {:?} ({error}); its log ends with:\n{}",
+                        self.args.docker_ready_timeout,
+                        dockerd::log_tail(&self.args.environment.dockerd_log, 20)
+                    )));
+                }
+                Err(_) => {}
+            }
+            if let Some(event) = self.pid1.next_event(PING_INTERVAL) {
+                self.handle(event);
+            }
+            if self.dockerd.is_none() {
+                return Err(Some(format!("dockerd exited while starting; its log ends with:\n{}", dockerd::log_tail(&self.args.environment.dockerd_log, 20))));
+            }
+            self.check_interrupts().map_err(|Interrupted| None)?;
+        }
+    }
+
+    fn check_interrupts(&mut self) -> Result<(), Interrupted> {
+        for signal in self.pid1.take_signals() {
+            self.handle(Event::Signal(signal));
+        }
+        if self.drain_started.is_some() || self.agent_status.is_some() {
+            return Err(Interrupted);
+        }
+        Ok(())
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Signal(signal) => {
+                if let Some(agent) = self.agent {
+                    tracing::info!(%signal, "forwarding signal to the agent");
+                    self.pid1.signal(agent, signal);
+                }
+                if signal == Signal::SIGTERM && self.drain_started.is_none() {
+                    tracing::info!(deadline = ?self.args.drain_timeout, "SIGTERM: draining");
+                    self.drain_started = Some(Instant::now());
+                }
+            }
+            Event::Exited { pid, status } if Some(pid) == self.agent => {
+                tracing::info!(%status, "agent exited");
+                self.agent = None;
+                self.agent_status = Some(status);
+            }
+            Event::Exited { pid, status } if Some(pid) == self.dockerd => {
+                tracing::warn!(%status, log = %self.args.environment.dockerd_log.display(), "dockerd exited");
+                self.dockerd = None;
+            }
+            Event::Exited { pid, status } => tracing::debug!(%pid, %status, "child exited"),
+        }
+    }
+
+    /// Until the agent exits; SIGTERM gives it half of the drain budget.
+    fn supervise(&mut self) {
+        while self.agent.is_some() {
+            let wait = match self.drain_started {
+                Some(started) => {
+                    let budget = self.args.drain_timeout / 2;
+                    let left = budget.saturating_sub(started.elapsed());
+                    if left.is_zero() {
+                        tracing::warn!(?budget, "the agent did not stop in its share of the drain: SIGKILL");
+                        if let Some(agent) = self.agent {
+                            self.pid1.signal(agent, Signal::SIGKILL);
+                            if let Some(status) = self.pid1.wait_child(agent, Duration::from_secs(5)) {
+                                self.handle(Event::Exited { pid: agent, status });
+                            }
+                        }
+                        break;
+                    }
+                    left
+                }
+                None => Duration::from_secs(3600),
+            };
+            if let Some(event) = self.pid1.next_event(wait) {
+                self.handle(event);
+            }
+        }
+    }
+
+    /// Ordered shutdown: dockerd, leftovers, unmount, loop detach.
+    fn drain(&mut self) {
+        let started = self.drain_started.unwrap_or_else(Instant::now);
+        let deadline = started + self.args.drain_timeout;
+        if let Some(agent) = self.agent.take() {
+            self.pid1.signal(agent, Signal::SIGKILL);
+        }
+        if let Some(dockerd) = self.dockerd.take() {
+            tracing::info!("stopping dockerd");
+            self.pid1.signal(dockerd, Signal::SIGTERM);
+            // Keep a second for unmounting; dockerd stops its containers meanwhile.
+            let budget = deadline.saturating_duration_since(Instant::now()).saturating_sub(Duration::from_secs(1));
+            if self.pid1.wait_child(dockerd, budget.max(Duration::from_millis(100))).is_none() {
+                tracing::warn!(?budget, "dockerd did not stop in time: SIGKILL");
+                self.pid1.signal(dockerd, Signal::SIGKILL);
+                let _ = self.pid1.wait_child(dockerd, Duration::from_secs(5));
+            }
+        }
+        self.pid1.kill_remaining();
+        if let Some(prepared) = self.storage.take() {
+            match storage::cleanup(&prepared) {
+                Ok(()) => tracing::info!("storage cleaned up"),
+                Err(error) => tracing::error!("storage cleanup failed: {}", crate::error_chain(&error)),
+            }
+        }
+        tracing::info!(elapsed = ?started.elapsed(), "drain complete");
+    }
+
+    fn dockerd_shutdown_timeout(&self) -> Duration {
+        (self.args.drain_timeout / 2).saturating_sub(Duration::from_secs(2)).max(Duration::from_secs(1))
+    }
+}
+
+fn open_log(path: &std::path::Path) -> std::io::Result<fs::File> {
+    if let Some(parent) = path.parent() {
+        fs::create_dir_all(parent)?;
+    }
+    fs::OpenOptions::new().create(true).append(true).open(path)
+}
+
+/// Lets storage run mkfs and friends through the reaper, the only waiter.
+struct ReapingRunner<'a>(&'a mut Pid1);
+
+impl storage::Runner for ReapingRunner<'_> {
+    fn run(&mut self, mut command: Command) -> std::io::Result<ExitStatus> {
+        use std::os::unix::process::ExitStatusExt;
+        spawn::prepare(&mut command, None);
+        let pid = self.0.spawn(&mut command)?;
+        match self.0.wait_child(pid, Duration::from_secs(600)) {
+            Some(ChildStatus::Exited(code)) => Ok(ExitStatus::from_raw((code & 0xff) << 8)),
+            Some(ChildStatus::Signaled(signal)) => Ok(ExitStatus::from_raw(signal & 0x7f)),
+            None => {
+                self.0.signal(pid, Signal::SIGKILL);
+                Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the command did not finish in 10 minutes"))
+            }
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! `supervisor doctor`: independent checks of a (broken) job environment, each
+//! PASS, FAIL or SKIP with a reason and, on failure, a hint. Every check runs even
+//! after others failed; the exit code is non-zero when any check failed. Read-only.
+//!
+//! The checks reuse the probes the supervisor itself runs (dockerd's `/_ping`, the
+//! storage mountinfo parser, cgroup detection, the identity wait's Workload API
+//! client), so doctor and runtime cannot disagree.
+
+mod checks;
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+pub use checks::all;
+
+/// What doctor checks and where: the environment's own settings (converted from the
+/// command line, which shares them with `supervisor run`), so that a check can be
+/// pointed elsewhere and tests can break one thing at a time.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Whether this environment uses SPIFFE identity at all.
+    pub identity: bool,
+    pub spiffe_endpoint: Option<String>,
+    pub spiffe_id: Option<String>,
+    pub docker: bool,
+    pub docker_data_root: PathBuf,
+    pub docker_socket: PathBuf,
+    pub dockerd_log: PathBuf,
+    pub loop_control: PathBuf,
+    pub cgroup_root: PathBuf,
+    pub facade_url: Option<String>,
+    pub runner: PathBuf,
+    pub runner_config: PathBuf,
+    /// The runner's working directory, where the agent writes `.runner`.
+    pub runner_dir: PathBuf,
+    pub assignment_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Status {
+    Pass,
+    Fail,
+    Skip,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Outcome {
+    pub id: &'static str,
+    pub status: Status,
+    pub reason: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub hint: String,
+}
+
+impl Outcome {
+    pub fn pass(id: &'static str, reason: impl Into<String>) -> Self {
+        Outcome { id, status: Status::Pass, reason: reason.into(), hint: String::new() }
+    }
+
+    pub fn fail(id: &'static str, reason: impl Into<String>, hint: impl Into<String>) -> Self {
+        Outcome { id, status: Status::Fail, reason: reason.into(), hint: hint.into() }
+    }
+
+    pub fn skip(id: &'static str, reason: impl Into<String>) -> Self {
+        Outcome { id, status: Status::Skip, reason: reason.into(), hint: String::new() }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Report<'a> {
+    checks: &'a [Outcome],
+    passed: usize,
+    failed: usize,
+    skipped: usize,
+}
+
+/// Runs every check and prints the report; the exit code is 1 when any failed.
+/// Runs every check; prints text or, with `json`, one JSON document. Returns 1 when any
+/// check failed.
+pub fn run(settings: &Settings, json: bool) -> u8 {
+    let outcomes = all(settings);
+    let count = |status| outcomes.iter().filter(|o| o.status == status).count();
+    let report = Report { checks: &outcomes, passed: count(Status::Pass), failed: count(Status::Fail), skipped: count(Status::Skip) };
+    if json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(json) => println!("{json}"),
+            Err(error) => eprintln!("doctor: cannot encode the report: {error}"),
+        }
+    } else {
+        for outcome in &outcomes {
+            let status = match outcome.status {
+                Status::Pass => "PASS",
+                Status::Fail => "FAIL",
+                Status::Skip => "SKIP",
+            };
+            println!("{status}  {:<16} {}", outcome.id, outcome.reason);
+            if !outcome.hint.is_empty() {
+                println!("      {:<16} hint: {}", "", outcome.hint);
+            }
+        }
+        println!("{} passed, {} failed, {} skipped", report.passed, report.failed, report.skipped);
+    }
+    u8::from(report.failed > 0)
+}

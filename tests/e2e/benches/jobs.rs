@@ -1,0 +1,219 @@
+//! `scripts/bench-jobs [RUNS]`: how fast a job starts, end to end, with the real Gitea,
+//! the controller, the runner image on a real dockerd and the real gitea-runner (as a
+//! container.docker environment, then as a vm.opensandbox sandbox of the real
+//! opensandbox-server) — and
+//! beside it, in the same run and from the same Gitea, a plain gitea-runner (`daemon`,
+//! host mode) picking up the same job. Prints medians of RUNS (default 5) jobs,
+//! commit → first step and FetchTask reply → first step, broken down by phase. Asserts
+//! nothing about timing.
+//!
+//! Phases come from the assignment record (fetched; the environment's reported timeline:
+//! claimed, runner_started, docker_ready, job_started), Docker (container created and
+//! started) and Gitea's job log (the runner's timestamp of the first step's first line).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    collections::BTreeMap,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use e2e::{
+    docker::host,
+    stack::{Controller, Options},
+};
+use testkit::gitea::{Gitea, GiteaOptions, Repo};
+
+const JOB: &str = "jobs:\n  bench:\n    runs-on: [LABELS]\n    steps:\n      - run: echo first-step-RUN\n";
+
+fn now_ms() -> i64 {
+    i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap()
+}
+
+/// Unix ms of an RFC 3339 timestamp `2026-12-01T02:08:05.1234567Z` (UTC only).
+fn parse_rfc3339(text: &str) -> Option<i64> {
+    let (date, time) = text.trim_end_matches('Z').split_once('T')?;
+    let mut d = date.split('-').map(|p| p.parse::<i64>());
+    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let (hms, fraction) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.split(':').map(|p| p.parse::<i64>());
+    let (h, min, s) = (t.next()?.ok()?, t.next()?.ok()?, t.next()?.ok()?);
+    let millis: i64 = format!("{:0<3}", &fraction[..fraction.len().min(3)]).parse().ok()?;
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(((days * 24 + h) * 60 + min) * 60_000 + s * 1000 + millis)
+}
+
+/// The runner's timestamp of the first line of the first step (`::group::Run …`).
+fn first_step_ms(log: &str) -> Option<i64> {
+    log.lines().find(|l| l.contains("::group::Run echo first-step")).and_then(|l| parse_rfc3339(l.split_whitespace().next()?))
+}
+
+/// The runner's timestamp of the job log's first line (the task just arrived).
+fn first_line_ms(log: &str) -> Option<i64> {
+    log.lines().next().and_then(|l| parse_rfc3339(l.split_whitespace().next()?))
+}
+
+fn median(mut values: Vec<i64>) -> i64 {
+    values.sort_unstable();
+    values[values.len() / 2]
+}
+
+async fn run_one(gitea: &Gitea, repo: &Repo, labels: &str, n: usize) -> (i64, String) {
+    let yaml = format!("name: bench-{n}\non: push\n{}", JOB.replace("LABELS", labels).replace("RUN", &n.to_string()));
+    let committed = now_ms();
+    gitea.commit_workflow(repo, "bench.yml", &yaml).await;
+    let tasks =
+        gitea.wait_for_tasks(repo, Duration::from_secs(180), |t| t.len() > n && t.iter().all(|t| !matches!(t.status.as_str(), "waiting" | "running"))).await;
+    let task = tasks.iter().max_by_key(|t| t.id).unwrap();
+    assert_eq!(task.status, "success", "{task:?}");
+    (committed, gitea.job_log(repo, task.run_number, 0).await)
+}
+
+/// Docker's created/started times (Unix ms) of each environment, by assignment id,
+/// watched while the jobs run (environments are removed right after).
+fn watch_containers(label: String, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<BTreeMap<String, (i64, i64)>> {
+    std::thread::spawn(move || {
+        let mut seen = BTreeMap::new();
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let ids = host().docker(&["ps", "-aq", "--filter", &format!("label={label}")]);
+            for id in String::from_utf8_lossy(&ids.stdout).lines() {
+                let format = "{{index .Config.Labels \"gitea-dynamic-runner/assignment-id\"}} {{.Created}} {{.State.StartedAt}}";
+                let out = host().docker(&["inspect", "-f", format, id]);
+                let text = String::from_utf8_lossy(&out.stdout).to_string();
+                let mut words = text.split_whitespace();
+                if let (Some(assignment), Some(created), Some(started)) =
+                    (words.next(), words.next().and_then(parse_rfc3339), words.next().and_then(parse_rfc3339))
+                    && started > 0
+                {
+                    seen.entry(assignment.to_owned()).or_insert((created, started));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        seen
+    })
+}
+
+/// Runs `runs` jobs through a controller made from `options` and returns their phases
+/// (ms), by row name.
+async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str, runs: usize) -> BTreeMap<&'static str, Vec<i64>> {
+    let mut controller = Controller::start(options).await;
+    let repo = gitea.create_repo(repo_name).await;
+    let label = format!("gitea-dynamic-runner/instance={}", controller::driver::instance_of(&gitea.url()));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = watch_containers(label, std::sync::Arc::clone(&stop));
+    let mut ours = Vec::new();
+    for n in 0..runs {
+        ours.push(run_one(gitea, &repo, labels, n).await);
+        // Let the environment go, so every run starts from an idle host.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let containers = watcher.join().unwrap();
+    let mut records = controller.records().await;
+    records.sort_by_key(|r| r.created_at_ms);
+    controller.stop().await;
+
+    let mut rows: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for (i, (committed, log)) in ours.iter().enumerate() {
+        let record = &records[i];
+        let fetched = record.created_at_ms;
+        let at = |phase: &str| record.timeline.iter().find(|(p, _)| p == phase).map(|(_, t)| *t);
+        let (created, started) = containers.get(&record.assignment_id).copied().unwrap_or((fetched, fetched));
+        let first_step = first_step_ms(log).expect("the first step's line has no timestamp");
+        let (claimed, runner_started, job_started) = (at("claimed").unwrap(), at("runner_started").unwrap(), at("job_started").unwrap());
+        let mut phases = vec![
+            ("1 commit → FetchTask reply", fetched - committed),
+            ("2 FetchTask reply → container created", created - fetched),
+            ("3 container created → started", started - created),
+            ("4 container started → claimed", claimed - started),
+            ("5 claimed → runner started", runner_started - claimed),
+            ("7 runner started → hook passed", job_started - runner_started),
+            ("8 hook passed → first step", first_step - job_started),
+            ("= FetchTask reply → first step", first_step - fetched),
+            ("= commit → first step", first_step - *committed),
+        ];
+        // Only where the environment runs its own dockerd.
+        if let Some(docker_ready) = at("docker_ready") {
+            phases.push(("6 container started → dockerd ready", docker_ready - started));
+        }
+        for (name, value) in phases {
+            rows.entry(name).or_default().push(value);
+        }
+    }
+    rows
+}
+
+fn print_rows(rows: &BTreeMap<&str, Vec<i64>>) {
+    for (name, values) in rows {
+        println!("  {name:<42} {:>6}   (all: {values:?})", median(values.clone()));
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let runs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
+    let docker = host();
+    let image = docker.image("gitea-runner");
+    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
+    let token = gitea.runner_registration_token().await;
+
+    // The controller: capacity 1, polling every second like the plain runner below.
+    let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
+    options.capacity = 1;
+    let rows = measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs).await;
+
+    // vm.opensandbox: the real opensandbox-server (Docker runtime) on the same host; the
+    // sandbox is unprivileged there, so without the job-local dockerd.
+    let server = tokio::task::block_in_place(|| testkit::opensandbox::OpenSandbox::start(&docker.url(), &image));
+    options.opensandbox = Some(e2e::stack::SandboxOptions::on_host(&server, docker));
+    let vm_rows = measure(&gitea, options, "bench-vm", "disposable, vm", runs).await;
+    drop(server);
+
+    // A plain gitea-runner on the host, same Gitea, same job.
+    let plain_dir = tempfile::tempdir().unwrap();
+    let d = plain_dir.path();
+    let runner = e2e::paths::runner("gitea-runner");
+    let status = std::process::Command::new(&runner)
+        .args(["register", "--no-interactive", "--instance", &gitea.url(), "--token", &token, "--name", "plain", "--labels", "plain-host"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    std::fs::write(d.join("config.yaml"), "runner:\n  fetch_interval: 1s\n  fetch_interval_max: 1s\ncache:\n  enabled: false\n").unwrap();
+    let mut daemon = std::process::Command::new(&runner)
+        .args(["daemon", "--config", "config.yaml"])
+        .current_dir(d)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let plain_repo = gitea.create_repo("bench-plain").await;
+    let mut plain = Vec::new();
+    for n in 0..runs {
+        plain.push(run_one(&gitea, &plain_repo, "plain-host", n).await);
+    }
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+
+    let mut plain_rows: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for (committed, log) in &plain {
+        let received = first_line_ms(log).unwrap();
+        let first_step = first_step_ms(log).unwrap();
+        plain_rows.entry("task received → first step").or_default().push(first_step - received);
+        plain_rows.entry("commit → first step").or_default().push(first_step - committed);
+    }
+    println!("{runs} jobs each; medians in ms (2 cores, the Docker host and Gitea on this machine)");
+    println!("gitea-dynamic-runner (container.docker, gitea-runner v3.3.0 in the image, dockerd on loop-backed ext4):");
+    print_rows(&rows);
+    println!("gitea-dynamic-runner (vm.opensandbox via opensandbox-server 1.1.1, Docker runtime, no job-local dockerd):");
+    print_rows(&vm_rows);
+    println!("plain gitea-runner v3.3.0 (daemon, host mode, no isolation, same Gitea):");
+    print_rows(&plain_rows);
+}

@@ -1,0 +1,44 @@
+//! Where the binaries and images the tests need are: built by `scripts/build-static`,
+//! `scripts/install-test-peers` and `scripts/build-image` (which `scripts/test` runs
+//! first). A missing one panics with the command that makes it.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// The repository's root.
+pub fn repository() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+/// A runner binary (`gitea-runner` or `act_runner`) built from upstream.
+pub fn runner(name: &str) -> PathBuf {
+    testkit::peer(name)
+}
+
+/// The static supervisor the image carries (`scripts/build-static`).
+pub fn supervisor() -> PathBuf {
+    let path = std::env::var_os("SUPERVISOR_BIN").map_or_else(|| repository().join("target/x86_64-unknown-linux-musl/release/supervisor"), PathBuf::from);
+    assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
+    path
+}
+
+/// The runner image of `variant` (`gitea-runner` or `act_runner`): its tag and the
+/// `docker save` tar, from `scripts/build-image` (cached by content, so this is quick
+/// when nothing changed).
+pub fn image(variant: &str) -> (String, PathBuf) {
+    let output = Command::new(repository().join("scripts/build-image"))
+        .args(["--variant", variant])
+        .env("SUPERVISOR_BIN", supervisor())
+        .env_remove("DOCKER_HOST")
+        .output()
+        .expect("scripts/build-image cannot run");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "scripts/build-image --variant {variant} failed:\n{}\n{}", stdout, String::from_utf8_lossy(&output.stderr));
+    let line = stdout.lines().rev().find(|l| l.starts_with("image ")).expect("scripts/build-image printed no `image` line");
+    let mut words = line.split_whitespace().skip(1);
+    let tag = words.next().unwrap().to_owned();
+    let tar = PathBuf::from(words.next().unwrap());
+    (tag, tar)
+}

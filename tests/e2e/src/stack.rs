@@ -1,0 +1,240 @@
+//! The controller's components in this process (`controller::app::run_with`, exactly
+//! what `controller run` runs), configured as a user would (a TOML file), with the
+//! store handed in so tests can watch the assignments.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use controller::{
+    app::{self, Components, Overrides},
+    config::Config,
+    store::{Record, Store},
+};
+use tokio_util::sync::CancellationToken;
+
+/// How a test controller is set up.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub gitea_url: String,
+    /// Gitea as environments reach it.
+    pub environment_gitea_url: Option<String>,
+    pub registration_token: String,
+    pub capacity: usize,
+    pub image: String,
+    pub docker_socket: PathBuf,
+    /// TOML of the `[store]` section; default: an embedded store in the state dir.
+    pub store: Option<String>,
+    /// `--components`; default all.
+    pub components: String,
+    /// Share this state directory (credentials, key) with another controller.
+    pub state_dir: Option<PathBuf>,
+    /// The facade's unix socket; default in the state dir.
+    pub facade_socket: Option<PathBuf>,
+    pub extra_gitea: String,
+    /// Run jobs as OpenSandbox sandboxes (vm.opensandbox) instead of docker containers.
+    pub opensandbox: Option<SandboxOptions>,
+}
+
+/// The vm.opensandbox placement: the real opensandbox-server, and the facade's
+/// development-mode listener on an address the sandboxes reach.
+#[derive(Debug, Clone)]
+pub struct SandboxOptions {
+    pub url: String,
+    pub api_key_file: PathBuf,
+    /// `ip:port` on the sandboxes' network.
+    pub facade_listen: String,
+    /// More `[opensandbox]` settings (TOML lines).
+    pub extra: String,
+}
+
+impl SandboxOptions {
+    /// `server` on the shared Docker host: the facade on a free port of the host's bridge,
+    /// and no job-local dockerd (the Docker runtime's sandboxes are unprivileged).
+    pub fn on_host(server: &testkit::opensandbox::OpenSandbox, docker: &crate::docker::HostDocker) -> SandboxOptions {
+        let port = std::net::TcpListener::bind((docker.bridge_ip, 0)).unwrap().local_addr().unwrap().port();
+        SandboxOptions {
+            url: server.url(),
+            api_key_file: server.api_key_file(),
+            facade_listen: format!("{}:{port}", docker.bridge_ip),
+            extra: "env = { SUPERVISOR_DOCKER = \"false\" }".into(),
+        }
+    }
+}
+
+impl Options {
+    pub fn new(gitea_url: &str, registration_token: &str, image: &str, docker_socket: &std::path::Path) -> Options {
+        Options {
+            gitea_url: gitea_url.to_owned(),
+            environment_gitea_url: None,
+            registration_token: registration_token.to_owned(),
+            capacity: 2,
+            image: image.to_owned(),
+            docker_socket: docker_socket.to_owned(),
+            store: None,
+            components: "scheduler,facade,worker".into(),
+            state_dir: None,
+            facade_socket: None,
+            extra_gitea: String::new(),
+            opensandbox: None,
+        }
+    }
+}
+
+pub struct Controller {
+    pub config: Config,
+    pub store: Arc<dyn Store>,
+    pub state_dir: PathBuf,
+    shutdown: CancellationToken,
+    running: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// A fresh state directory everyone may enter (the facade socket is used by uid 2000).
+pub fn state_dir() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new().prefix("gdr-e2e-controller-").tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+impl Controller {
+    pub async fn start(options: Options) -> Controller {
+        crate::init_logging();
+        let (owned, dir) = match &options.state_dir {
+            Some(dir) => (None, dir.clone()),
+            None => {
+                let owned = state_dir();
+                let path = owned.path().to_owned();
+                (Some(owned), path)
+            }
+        };
+        std::fs::write(dir.join("registration-token"), &options.registration_token).unwrap();
+        let key = dir.join("capability.key");
+        if !key.exists() {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&key).unwrap();
+            std::io::Write::write_all(&mut file, b"e2e-capability-key-0123456789abcdef0123456789").unwrap();
+        }
+        let socket = options.facade_socket.clone().unwrap_or_else(|| dir.join("facade.sock"));
+        let store = options.store.clone().unwrap_or_else(|| format!("kind = \"embedded\"\npath = \"{}/store.redb\"", dir.display()));
+        let environment_url = options.environment_gitea_url.as_ref().map(|u| format!("environment_url = \"{u}\"\n")).unwrap_or_default();
+        let (placement, driver, facade) = match &options.opensandbox {
+            None => (
+                "container.docker",
+                format!(
+                    r#"[docker]
+image = "{image}"
+socket = "{docker}"
+privileged = false
+cap_add = ["ALL"]
+cap_drop = ["SYS_RESOURCE"]
+security_opt = ["seccomp=unconfined", "apparmor=unconfined"]
+device_cgroup_rules = ["b 7:* rmw", "c 10:237 rmw"]
+facade_socket = "{socket}"
+stop_seconds = 5
+"#,
+                    image = options.image,
+                    docker = options.docker_socket.display(),
+                    socket = socket.display(),
+                ),
+                format!("unix_socket = \"{socket}\"\nurl = \"unix://{socket}\"", socket = socket.display()),
+            ),
+            Some(sandbox) => (
+                "vm.opensandbox",
+                format!(
+                    r#"[opensandbox]
+url = "{url}"
+api_key_file = "{key}"
+image = "{image}"
+cpu = "1"
+memory = "2Gi"
+timeout = "30m"
+{extra}
+"#,
+                    url = sandbox.url,
+                    key = sandbox.api_key_file.display(),
+                    image = options.image,
+                    extra = sandbox.extra,
+                ),
+                format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = sandbox.facade_listen),
+            ),
+        };
+        let text = format!(
+            r#"[gitea]
+url = "{gitea}"
+{environment_url}registration_token_file = "{dir}/registration-token"
+credential_dir = "{dir}/runners"
+runner_name = "e2e"
+fetch_interval = "300ms"
+reconcile_interval = "2s"
+{extra}
+
+[identity]
+trust_domain = "e2e.test"
+
+[store]
+{store}
+
+[facade]
+capability_key_file = "{dir}/capability.key"
+{facade}
+
+[http]
+listen = "127.0.0.1:0"
+
+[[pool]]
+placement = "{placement}"
+capacity = {capacity}
+
+{driver}"#,
+            gitea = options.gitea_url,
+            dir = dir.display(),
+            extra = options.extra_gitea,
+            capacity = options.capacity,
+        );
+        std::fs::write(dir.join("controller.toml"), &text).unwrap();
+        let config = Config::parse(&text, &dir.join("controller.toml"), &Default::default()).unwrap();
+        let store = app::open_store(&config).await.unwrap();
+        let components = Components::parse(&options.components).unwrap();
+        let shutdown = CancellationToken::new();
+        let overrides = Overrides { store: Some(Arc::clone(&store)), ..Overrides::default() };
+        let running = tokio::spawn(app::run_with(config.clone(), components, overrides, shutdown.clone()));
+        Controller { config, store, state_dir: dir, shutdown, running: Some(running), _dir: owned }
+    }
+
+    /// The label selecting this controller's environments (containers and sandboxes alike:
+    /// OpenSandbox copies metadata to container labels).
+    pub fn environment_label(&self) -> String {
+        format!("{}={}", controller::driver::LABEL_INSTANCE, controller::driver::instance_of(&self.config.gitea.url))
+    }
+
+    /// Every assignment record.
+    pub async fn records(&self) -> Vec<Record> {
+        self.store.list().await.unwrap().into_iter().map(|r| r.value).collect()
+    }
+
+    /// Stops the components (as SIGTERM would) and waits for them.
+    pub async fn stop(&mut self) {
+        self.shutdown.cancel();
+        if let Some(running) = self.running.take() {
+            match tokio::time::timeout(Duration::from_secs(60), running).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(error))) => panic!("the controller failed: {error:#}"),
+                Ok(Err(error)) => panic!("the controller panicked: {error}"),
+                Err(_) => panic!("the controller did not stop within 60 s"),
+            }
+        }
+    }
+
+    /// Fails the test if the controller stopped on its own with an error.
+    pub fn assert_running(&self) {
+        if let Some(running) = &self.running {
+            assert!(!running.is_finished(), "the controller stopped on its own");
+        }
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
