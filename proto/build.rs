@@ -14,6 +14,11 @@ const PACKAGED: &[&str] =
 /// `/SpiffeWorkloadAPI/...`), so it is generated on its own into `workload.rs`.
 const WORKLOAD: &str = "spiffe/workload/workload.proto";
 
+/// SPIRE server's registration-entry API (vendored from spire-api-sdk, see
+/// `proto/spire/README.md`), generated into `spire/` with its own include file so
+/// its packages stay apart from the packaged protocols' descriptors.
+const SPIRE_ENTRY: &str = "spire/api/server/entry/v1/entry.proto";
+
 fn main() -> Result<(), Box<dyn Error>> {
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     println!("cargo:rerun-if-changed={PROTO_ROOT}");
@@ -28,5 +33,10 @@ fn main() -> Result<(), Box<dyn Error>> {
     fs::create_dir_all(&workload_dir)?;
     let fds = protox::compile([WORKLOAD], [PROTO_ROOT])?;
     tonic_prost_build::configure().out_dir(&workload_dir).compile_fds(fds)?;
+
+    let spire_dir = out_dir.join("spire");
+    fs::create_dir_all(&spire_dir)?;
+    let fds = protox::compile([SPIRE_ENTRY], [PROTO_ROOT])?;
+    tonic_prost_build::configure().build_server(false).out_dir(&spire_dir).include_file("spire.rs").compile_fds(fds)?;
     Ok(())
 }

@@ -89,8 +89,12 @@ async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Opt
     if placement == Placement::VM_OPENSANDBOX
         && let Some(opensandbox) = &config.opensandbox
     {
-        let driver = crate::driver::opensandbox::OpenSandboxDriver::connect(opensandbox.clone()).await.context("opensandbox")?;
-        return Ok(Some(Arc::new(driver)));
+        let driver: Arc<dyn Driver> = Arc::new(crate::driver::opensandbox::OpenSandboxDriver::connect(opensandbox.clone()).await.context("opensandbox")?);
+        if let Some(spire) = &opensandbox.spire {
+            let registrar = crate::spire::Registrar::new(spire.clone(), placement, &crate::driver::instance_of(&config.gitea.url));
+            return Ok(Some(Arc::new(crate::spire::Registered::new(driver, registrar))));
+        }
+        return Ok(Some(driver));
     }
     Ok(None)
 }

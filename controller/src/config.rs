@@ -299,6 +299,12 @@ impl Config {
         if self.pools.iter().any(|p| p.placement == Placement::VM_OPENSANDBOX) && self.opensandbox.is_none() {
             return invalid("opensandbox", "pool vm.opensandbox needs an [opensandbox] section with url, api_key_file and image".into());
         }
+        if self.opensandbox.as_ref().is_some_and(|o| o.spire.is_some()) && self.facade.environment_spiffe_endpoint_socket.is_none() {
+            return invalid(
+                "opensandbox.spire",
+                "sandboxes get SPIRE entries only when they wait for an SVID: set facade.environment_spiffe_endpoint_socket (the agent's socket inside sandboxes)".into(),
+            );
+        }
         if let Some(opensandbox) = &self.opensandbox
             && let Err((setting, message)) = opensandbox.validate()
         {
@@ -409,10 +415,15 @@ image = "gitea-dynamic-runner/runner:latest"
         assert_eq!(config.identity.trust_domain, "ci.example");
     }
 
+    const SANDBOX: &str = "[opensandbox]\nurl = \"http://sandbox:8080\"\napi_key_file = \"/k\"\nimage = \"runner\"";
+    const SPIRE: &str = "[opensandbox.spire]\nserver_socket = \"/s\"\nparent_id = \"spiffe://example.org/node\"";
+
     /// Each mistake names its setting.
     #[test]
     fn invalid_settings_are_named() {
         type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
+        let spire_without_socket = format!("{SANDBOX}\n{SPIRE}\n[[pool]]");
+        let spire_bad_parent = format!("{SANDBOX}\n{}\n[facade]\nenvironment_spiffe_endpoint_socket = \"unix:///s\"", SPIRE.replace("spiffe://", ""));
         let table: &[Case] = &[
             ("url = \"https://gitea.example.com\"", "url = \"gitea.example.com\"", &[], "gitea.url"),
             ("trust_domain = \"example.org\"", "trust_domain = \"Example Org\"", &[], "identity.trust_domain"),
@@ -434,6 +445,8 @@ image = "gitea-dynamic-runner/runner:latest"
             ("unix_socket = \"/run/gdr/facade.sock\"", "insecure_listen = \"controller:9444\"", &[], "facade.insecure_listen"),
             ("url = \"unix:///run/gdr/facade.sock\"", "url = \"http://198.51.100.1:9444\"", &[], "facade.url"),
             ("url = \"unix:///run/gdr/facade.sock\"", "url = \"ftp://controller\"", &[], "facade.url"),
+            ("[[pool]]", &spire_without_socket, &[], "opensandbox.spire"),
+            ("[facade]", &spire_bad_parent, &[], "opensandbox.spire.parent_id"),
         ];
         for &(from, to, env, setting) in table {
             let text = if from.is_empty() { MINIMAL.to_owned() } else { MINIMAL.replacen(from, to, 1) };

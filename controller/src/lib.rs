@@ -11,6 +11,7 @@
 //! - [`store`]: durable queue + records (JetStream or embedded redb).
 //! - [`worker`]: environments per placement within capacity; the reconciler.
 //! - [`driver`]: one per placement, creating and deleting environments.
+//! - [`spire`]: the SPIRE entry of each environment that needs its own (OpenSandbox).
 //! - [`facade`]: the environments' only path back to Gitea (service and transports).
 //! - [`lifecycle`]: the one place where an assignment ends.
 //! - [`app`], [`cli`], [`config`], [`metrics`], [`telemetry`]: wiring and edges.
@@ -30,6 +31,7 @@ pub mod local;
 pub mod metrics;
 pub mod placements;
 pub mod scheduler;
+pub mod spire;
 pub mod store;
 pub mod telemetry;
 pub mod worker;

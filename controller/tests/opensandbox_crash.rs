@@ -4,7 +4,9 @@
 //! After a restart the pool is rebuilt from the server's listing, the queued assignment
 //! finds the sandbox it already has (exactly one exists), the test — playing the
 //! supervisor over the development-mode TCP facade — claims and finishes the task once,
-//! and the sandbox is deleted.
+//! and the sandbox is deleted. The sandbox's SPIRE entry (real SPIRE server) follows it:
+//! made before the crash, exactly one after the restart, gone with the sandbox; an entry
+//! left by an earlier crash is swept by the restarted controller.
 
 #![allow(clippy::unwrap_used)]
 
@@ -26,7 +28,7 @@ use proto::{
     facade::v1::{AssignmentCredential, ClaimRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient},
     runner::v1::{Result as TaskResult, TaskState, UpdateTaskRequest as RunnerUpdate},
 };
-use testkit::{nats::NatsServer, opensandbox::OpenSandbox};
+use testkit::{nats::NatsServer, opensandbox::OpenSandbox, spire::SpireServer};
 
 const IMAGE: &str = "gdr-sandbox:test";
 
@@ -60,6 +62,7 @@ async fn killed_between_create_and_record_keeps_exactly_one_sandbox() {
     import_image(&docker, IMAGE);
     let server = tokio::task::block_in_place(|| OpenSandbox::start(&format!("unix://{}", docker.socket.display()), IMAGE));
     let nats = NatsServer::start();
+    let spire = tokio::task::block_in_place(|| SpireServer::start("example.org"));
     let gitea = FakeGitea::start().await;
     gitea.add_job(Job::new(&["disposable", "vm"]));
 
@@ -93,6 +96,7 @@ ack_wait = "2s"
 capability_key_file = "{dir}/capability.key"
 insecure_listen = "{facade}"
 url = "http://{facade}"
+environment_spiffe_endpoint_socket = "unix:///run/spire/agent.sock"
 
 [http]
 listen = "{metrics}"
@@ -109,12 +113,18 @@ entrypoint = ["/bin/sleep", "3600"]
 cpu = "500m"
 memory = "128Mi"
 timeout = "10m"
+
+[opensandbox.spire]
+server_socket = "{spire}"
+parent_id = "spiffe://example.org/gdr/sandbox/{{environment}}"
+stale_after = "1s"
 "#,
             gitea = gitea.url(),
             dir = d.display(),
             nats = nats.url,
             server = server.url(),
             key = server.api_key_file().display(),
+            spire = spire.socket().display(),
         ),
     )
     .unwrap();
@@ -155,6 +165,22 @@ timeout = "10m"
     let store = JetStream::connect(&nats.url, "ci.assignments", "ci-assignments", Duration::from_secs(2)).await.unwrap();
     let record = store.get(&id).await.unwrap().unwrap().value;
     assert_eq!(record.environment, None, "the record was written before the crash point");
+    let entry_ids = || {
+        let mut ids: Vec<String> = spire.entries().iter().map(|e| e["id"].as_str().unwrap().to_owned()).collect();
+        ids.sort();
+        ids
+    };
+    let instance = controller::driver::instance_of(&gitea.url());
+    let environment = vec![controller::driver::environment_name(&instance, &id)];
+    assert_eq!(entry_ids(), environment, "the sandbox's entry is made before the sandbox");
+    // What an earlier crash could have left: an entry whose sandbox never came.
+    let orphan = controller::driver::environment_name(&instance, "gitea-task-999");
+    let registrar = controller::spire::Registrar::new(
+        toml::from_str(&format!("server_socket = \"{}\"\nparent_id = \"spiffe://example.org/x\"", spire.socket().display())).unwrap(),
+        controller::assignment::Placement::VM_OPENSANDBOX,
+        &instance,
+    );
+    registrar.register(&orphan, "spiffe://example.org/ci/o/r/gone").await.unwrap();
 
     let _running = Stop(controller(None));
     // The pool is rebuilt from the server's listing, and the queued assignment adopts the
@@ -169,6 +195,11 @@ timeout = "10m"
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(sandboxes(&docker), made, "exactly the first sandbox, no second one");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while entry_ids() != environment {
+        assert!(Instant::now() < deadline, "entries after the restart: {:?}, expected only {environment:?}:\n{}", entry_ids(), logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // The supervisor's part, over the development-mode facade.
     let capability = env_var(&docker, &made[0], "CI_RUNNER_CAPABILITY");
@@ -196,5 +227,6 @@ timeout = "10m"
         assert!(Instant::now() < deadline, "the finished task's sandbox was not deleted:\n{}", logs());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    assert!(entry_ids().is_empty(), "the sandbox's entry outlived it: {:?}", entry_ids());
     drop(server);
 }

@@ -2,15 +2,17 @@
 //! a real dockerd: one sandbox per assignment with the environment contract and recovery
 //! metadata, creation idempotent by assignment (also after the server restarted), the
 //! server's reason when a sandbox ends on its own, and the server's errors — a wrong API
-//! key, a request it validates away, the server down — told apart and named.
+//! key, a request it validates away, the server down — told apart and named; and each
+//! sandbox's entry on the real SPIRE server, made and removed with it, swept when left.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use common::dockerd::{Dockerd, dockerd, import_image};
+use controller::spire::{Registered, Registrar, SpireConfig};
 use controller::{
     assignment::Placement,
     driver::{
@@ -18,7 +20,7 @@ use controller::{
         opensandbox::{OpenSandboxConfig, OpenSandboxDriver},
     },
 };
-use testkit::opensandbox::OpenSandbox;
+use testkit::{opensandbox::OpenSandbox, spire::SpireServer};
 
 const IMAGE: &str = "gdr-sandbox:test";
 
@@ -170,4 +172,117 @@ async fn server_errors_are_named_and_classified() {
     nowhere.url = "http://127.0.0.1:9".into();
     let error = OpenSandboxDriver::connect(nowhere).await.unwrap_err();
     assert!(error.to_string().contains("does not answer"), "{error}");
+}
+
+const TRUST_DOMAIN: &str = "example.org";
+
+fn spiffe_spec(assignment_id: &str) -> EnvironmentSpec {
+    let mut spec = spec(assignment_id);
+    spec.env.insert("CI_SPIFFE_ID".into(), format!("spiffe://{TRUST_DOMAIN}/ci/owner/repo/{assignment_id}"));
+    spec
+}
+
+fn registered(driver: OpenSandboxDriver, spire: &SpireServer, stale_after: &str) -> Registered {
+    let config: SpireConfig = toml::from_str(&format!(
+        "server_socket = \"{}\"\nparent_id = \"spiffe://{TRUST_DOMAIN}/gdr/sandbox/{{environment}}\"\nstale_after = \"{stale_after}\"\n",
+        spire.socket().display()
+    ))
+    .unwrap();
+    config.validate().unwrap();
+    Registered::new(Arc::new(driver), Registrar::new(config, Placement::VM_OPENSANDBOX, "test"))
+}
+
+/// The entry's `(spiffe_id, parent_id, selectors, hint)` as the SPIRE CLI shows it.
+fn shown(entry: &serde_json::Value) -> (String, String, Vec<String>, String) {
+    let id = |v: &serde_json::Value| format!("spiffe://{}{}", v["trust_domain"].as_str().unwrap(), v["path"].as_str().unwrap());
+    let selectors =
+        entry["selectors"].as_array().unwrap().iter().map(|s| format!("{}:{}", s["type"].as_str().unwrap(), s["value"].as_str().unwrap())).collect();
+    (id(&entry["spiffe_id"]), id(&entry["parent_id"]), selectors, entry["hint"].as_str().unwrap_or_default().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_sandbox_gets_its_spire_entry_and_leaves_none_behind() {
+    let (docker, server) = stack();
+    let mut spire = tokio::task::block_in_place(|| SpireServer::start(TRUST_DOMAIN));
+    let driver = registered(OpenSandboxDriver::connect(config(&server, &["/bin/sleep", "3600"])).await.unwrap(), &spire, "5m");
+
+    // Registered with the sandbox: the job's exact ID, the sandbox's agent as parent.
+    let first = driver.create(&spiffe_spec("gitea-task-30")).await.unwrap();
+    let entry = spire.entry(&first.name).unwrap_or_else(|| panic!("no entry {}: {:?}", first.name, spire.entries()));
+    assert_eq!(
+        shown(&entry),
+        (
+            format!("spiffe://{TRUST_DOMAIN}/ci/owner/repo/gitea-task-30"),
+            format!("spiffe://{TRUST_DOMAIN}/gdr/sandbox/{}", first.name),
+            vec!["unix:uid:2000".to_owned()],
+            "vm.opensandbox".to_owned()
+        )
+    );
+    // A retried create (after a crash between create and record) finds both again.
+    assert_eq!(driver.create(&spiffe_spec("gitea-task-30")).await.unwrap(), first);
+    assert_eq!(spire.entries().len(), 1, "{:?}", spire.entries());
+    assert_eq!(containers(&docker, &format!("{}=gitea-task-30", driver::LABEL_ASSIGNMENT)).len(), 1);
+
+    // Deleted with its sandbox.
+    driver.delete(&first.name).await.unwrap();
+    assert!(spire.entry(&first.name).is_none(), "{:?}", spire.entries());
+
+    // A sandbox the server refuses leaves no entry.
+    let mut invalid = config(&server, &["/bin/sleep", "3600"]);
+    invalid.memory = "lots".into();
+    let refusing = registered(OpenSandboxDriver::connect(invalid).await.unwrap(), &spire, "5m");
+    let error = refusing.create(&spiffe_spec("gitea-task-31")).await.unwrap_err();
+    assert!(error.is_refusal(), "{error:?}");
+    assert!(spire.entries().is_empty(), "{:?}", spire.entries());
+
+    // Without SPIFFE (no identity to wait for) nothing is registered.
+    let plain = driver.create(&spec("gitea-task-32")).await.unwrap();
+    assert!(spire.entries().is_empty(), "{:?}", spire.entries());
+    driver.delete(&plain.name).await.unwrap();
+
+    // After a crash: an entry whose sandbox is gone is swept once it is old enough;
+    // the live sandbox's entry and entries that are not ours stay.
+    let live = driver.create(&spiffe_spec("gitea-task-33")).await.unwrap();
+    let orphan = driver::environment_name("test", "gitea-task-34");
+    let other = spire.cli(&[
+        "entry",
+        "create",
+        "-parentID",
+        "spiffe://example.org/node",
+        "-spiffeID",
+        "spiffe://example.org/someone-else",
+        "-selector",
+        "unix:uid:1000",
+    ]);
+    assert!(other.status.success(), "{}", String::from_utf8_lossy(&other.stderr));
+    let sweeping = registered(OpenSandboxDriver::connect(config(&server, &["/bin/sleep", "3600"])).await.unwrap(), &spire, "1s");
+    let fresh = registered(OpenSandboxDriver::connect(config(&server, &["/bin/sleep", "3600"])).await.unwrap(), &spire, "5m");
+    let registrar = Registrar::new(
+        toml::from_str(&format!("server_socket = \"{}\"\nparent_id = \"spiffe://{TRUST_DOMAIN}/gdr/sandbox/x\"\n", spire.socket().display())).unwrap(),
+        Placement::VM_OPENSANDBOX,
+        "test",
+    );
+    registrar.register(&orphan, "spiffe://example.org/ci/owner/repo/gone").await.unwrap();
+    let listed = driver.list(&driver::selector("test", Placement::VM_OPENSANDBOX)).await.unwrap();
+    assert_eq!(fresh.sweep_leftovers(&listed).await.unwrap(), 0, "a young entry may belong to a sandbox being created");
+    // Entry ages have whole seconds: sweep until the orphan is old enough.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sweeping.sweep_leftovers(&listed).await.unwrap() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the orphan entry was never swept: {:?}", spire.entries());
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let mut left: Vec<String> = spire.entries().iter().map(|e| shown(e).0).collect();
+    left.sort();
+    assert_eq!(left, ["spiffe://example.org/ci/owner/repo/gitea-task-33", "spiffe://example.org/someone-else"]);
+
+    // SPIRE down: the sandbox is not created (its supervisor would wait for nothing),
+    // and the error is one to retry, naming the socket.
+    tokio::task::block_in_place(|| spire.stop());
+    let error = driver.create(&spiffe_spec("gitea-task-35")).await.unwrap_err();
+    assert!(matches!(error, DriverError::Unavailable { .. }), "{error:?}");
+    assert!(error.to_string().contains(&spire.socket().display().to_string()), "{error}");
+    assert!(containers(&docker, &format!("{}=gitea-task-35", driver::LABEL_ASSIGNMENT)).is_empty());
+    // A sandbox is deleted even then; its entry waits for the next sweep.
+    driver.delete(&live.name).await.unwrap();
+    assert_eq!(driver.get(&live.name).await.unwrap(), None);
 }

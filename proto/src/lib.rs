@@ -7,6 +7,8 @@
 //! - [`facade::v1`]: the supervisor → controller service (gRPC over SPIFFE mTLS).
 //! - [`spiffe_workload`]: the SPIFFE Workload API, used only to build fake Workload
 //!   API servers in tests (the `spiffe` crate's own copy is private and client-only).
+//! - [`spire_api`]: SPIRE server's registration-entry API (client only), which the
+//!   controller uses to give each sandbox's supervisor exactly its job's identity.
 //! - [`descriptor_pool`]: the descriptors of all packaged messages, which the Connect
 //!   layer needs for the proto3 JSON mapping.
 //! - [`pieces`]: how a runner's large reports are cut into smaller calls that mean the
@@ -26,6 +28,15 @@ pub mod pieces;
 #[allow(clippy::all)]
 pub mod spiffe_workload {
     include!(concat!(env!("OUT_DIR"), "/workload/_.rs"));
+}
+
+/// SPIRE server's Entry API (`spire.api.server.entry.v1`) and its types
+/// (`spire.api.types`), client side.
+pub use spire_generated::spire::api as spire_api;
+
+#[allow(clippy::all)]
+mod spire_generated {
+    include!(concat!(env!("OUT_DIR"), "/spire/spire.rs"));
 }
 
 /// Serialized `FileDescriptorSet` of runner.v1, ping.v1 and facade.v1 with their imports.

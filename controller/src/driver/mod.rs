@@ -97,6 +97,12 @@ pub trait Driver: Send + Sync + std::fmt::Debug {
     async fn changes(&self) -> Result<Option<Changes>, DriverError> {
         Ok(None)
     }
+    /// Removes what the driver keeps beside its environments (their SPIRE entries) for
+    /// environments that are not in `listed`, a fresh listing of the placement; returns
+    /// how many it removed.
+    async fn sweep_leftovers(&self, _listed: &[Environment]) -> Result<usize, DriverError> {
+        Ok(0)
+    }
 }
 
 /// Whether an error is worth retrying (the backend is unavailable) or final (the

@@ -64,6 +64,10 @@ pub struct OpenSandboxConfig {
     /// How long one API request may take.
     #[serde(default = "default_request_timeout", with = "crate::config::duration")]
     pub request_timeout: Duration,
+    /// `[opensandbox.spire]`: one SPIRE entry per sandbox, so that the supervisor inside
+    /// gets exactly its job's SVID from the sandbox's own agent.
+    #[serde(default)]
+    pub spire: Option<crate::spire::SpireConfig>,
 }
 
 impl std::fmt::Debug for OpenSandboxConfig {
@@ -75,6 +79,7 @@ impl std::fmt::Debug for OpenSandboxConfig {
             .field("cpu", &self.cpu)
             .field("memory", &self.memory)
             .field("timeout", &self.timeout)
+            .field("spire", &self.spire)
             .finish_non_exhaustive()
     }
 }
@@ -125,6 +130,9 @@ impl OpenSandboxConfig {
             if name.ends_with("TOKEN") || name.ends_with("_KEY") || name.contains("PASSWORD") || name.contains("SECRET") {
                 return invalid("env", format!("{name} looks like a secret: environments never get the controller's secrets"));
             }
+        }
+        if let Some(spire) = &self.spire {
+            spire.validate()?;
         }
         Ok(())
     }

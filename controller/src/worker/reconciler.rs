@@ -8,7 +8,8 @@
 //!   Gitea, with the backend's reason and the environment's last reported phase as the
 //!   last line of the job's log, and is deleted;
 //! - a started assignment whose environment disappeared is failed the same way;
-//! - a pending assignment whose queue message was lost is queued again.
+//! - a pending assignment whose queue message was lost is queued again;
+//! - what the driver keeps beside gone environments (SPIRE entries) is removed.
 //!
 //! Every deletion releases the pool slot; so does an environment that is gone from the
 //! listing (removed by another replica, or vanished).
@@ -61,6 +62,9 @@ impl Reconciler {
                 return Ok(0);
             }
         };
+        if let Err(error) = self.driver.sweep_leftovers(&environments).await {
+            tracing::warn!(%placement, %error, "cannot sweep what belonged to gone environments");
+        }
         let mut removed = 0;
         let mut present = std::collections::HashSet::new();
         for environment in &environments {

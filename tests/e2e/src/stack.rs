@@ -44,6 +44,27 @@ pub struct SandboxOptions {
     pub facade_listen: String,
     /// More `[opensandbox]` settings (TOML lines).
     pub extra: String,
+    /// SPIFFE instead of the development mode: the facade's mTLS listener, and a SPIRE
+    /// entry per sandbox.
+    pub spire: Option<SandboxSpire>,
+}
+
+/// How sandboxes get their identity in a test: the real SPIRE server, an agent whose
+/// socket the sandboxes see at [`SandboxSpire::SOCKET_IN_SANDBOX`].
+#[derive(Debug, Clone)]
+pub struct SandboxSpire {
+    /// The server's admin socket.
+    pub server_socket: PathBuf,
+    /// The agent's Workload API socket on the host (the controller's SVID comes from it).
+    pub agent_socket: PathBuf,
+    /// The facade's SPIFFE ID.
+    pub controller_id: String,
+    /// `[opensandbox.spire] parent_id`.
+    pub parent_id: String,
+}
+
+impl SandboxSpire {
+    pub const SOCKET_IN_SANDBOX: &str = "/run/spire/sockets/agent.sock";
 }
 
 impl SandboxOptions {
@@ -56,6 +77,7 @@ impl SandboxOptions {
             api_key_file: server.api_key_file(),
             facade_listen: format!("{}:{port}", docker.bridge_ip),
             extra: "env = { SUPERVISOR_DOCKER = \"false\" }".into(),
+            spire: None,
         }
     }
 }
@@ -149,13 +171,27 @@ cpu = "1"
 memory = "2Gi"
 timeout = "30m"
 {extra}
-"#,
+{spire}"#,
                     url = sandbox.url,
                     key = sandbox.api_key_file.display(),
                     image = options.image,
                     extra = sandbox.extra,
+                    spire = sandbox.spire.as_ref().map_or_else(String::new, |spire| format!(
+                        "[opensandbox.spire]\nserver_socket = \"{}\"\nparent_id = \"{}\"\n",
+                        spire.server_socket.display(),
+                        spire.parent_id
+                    )),
                 ),
-                format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = sandbox.facade_listen),
+                match &sandbox.spire {
+                    None => format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = sandbox.facade_listen),
+                    Some(spire) => format!(
+                        "listen = \"{listen}\"\nurl = \"https://{listen}\"\nspiffe_endpoint_socket = \"unix://{agent}\"\nspiffe_id = \"{id}\"\nenvironment_spiffe_endpoint_socket = \"unix://{inside}\"",
+                        listen = sandbox.facade_listen,
+                        agent = spire.agent_socket.display(),
+                        id = spire.controller_id,
+                        inside = SandboxSpire::SOCKET_IN_SANDBOX,
+                    ),
+                },
             ),
         };
         let text = format!(

@@ -6,7 +6,8 @@
 //!
 //! The Docker runtime's sandboxes are unprivileged containers (no loop devices, no
 //! nested dockerd), so the job-local dockerd is off here (`SUPERVISOR_DOCKER=false`); in a
-//! Kata VM it is on.
+//! Kata VM it is on. Sandboxes reach the facade over the development-mode TCP listener,
+//! or — in the SPIFFE test — over mTLS with an SVID from their own SPIRE entry.
 
 #![allow(clippy::unwrap_used)]
 
@@ -14,11 +15,12 @@ use std::time::{Duration, Instant};
 
 use e2e::{
     docker::host,
-    stack::{Controller, Options, SandboxOptions},
+    stack::{Controller, Options, SandboxOptions, SandboxSpire},
 };
 use testkit::{
     gitea::{Gitea, GiteaOptions, Repo, TaskInfo, strip_log_timestamps},
     opensandbox::OpenSandbox,
+    spire::{SpireAgent, SpireServer},
     wait_until,
 };
 
@@ -126,5 +128,67 @@ async fn a_sandbox_lost_mid_job_fails_the_task_with_the_servers_reason() {
     assert!(last.contains("gitea-dynamic-runner:") && last.contains("ended before the job finished") && last.contains("Failed"), "last line: {last:?}\n{log}");
     assert!(log.contains("started sleeping"), "the rows written before were lost:\n{log}");
     wait_until("the sandbox is deleted", Duration::from_secs(60), || host().containers(&label).is_empty()).await;
+    controller.stop().await;
+}
+
+const IDENTIFIED: &str = r#"name: identified
+on: push
+jobs:
+  build:
+    runs-on: [disposable, vm]
+    steps:
+      - run: echo "claimed over mTLS"
+      - run: sleep 3
+"#;
+
+/// SPIFFE instead of the development mode: the real SPIRE server and an agent whose socket
+/// every sandbox mounts, the facade's mTLS listener with the controller's SVID, and one
+/// SPIRE entry per sandbox made by the controller. The supervisor inside gets exactly its
+/// job's SVID (the facade accepts a claim only from the assignment's identity), and the
+/// entry is gone with the sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_claims_its_job_with_exactly_its_svid_from_its_spire_entry() {
+    const AGENT: &str = "spiffe://e2e.test/gdr/node";
+    const CONTROLLER: &str = "spiffe://e2e.test/gdr/controller";
+    let _turn = e2e::exclusive().await;
+    let docker = host();
+    let image = docker.image("gitea-runner");
+    let spire = tokio::task::block_in_place(|| SpireServer::start("e2e.test"));
+    let agent = tokio::task::block_in_place(|| SpireAgent::start(&spire, AGENT));
+    // The controller runs in this test process: its SVID is this executable's.
+    let exe = std::env::current_exe().unwrap();
+    let entry = spire.cli(&["entry", "create", "-parentID", AGENT, "-spiffeID", CONTROLLER, "-selector", &format!("unix:path:{}", exe.display())]);
+    assert!(entry.status.success(), "{}", String::from_utf8_lossy(&entry.stderr));
+    let mount = format!("{}:{}:ro", agent.socket_dir().display(), SandboxSpire::SOCKET_IN_SANDBOX.trim_end_matches("/agent.sock"));
+    let server = tokio::task::block_in_place(|| OpenSandbox::start_with_binds(&docker.url(), &image, &[mount]));
+    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
+    let repo = gitea.create_repo("identified").await;
+    let token = gitea.runner_registration_token().await;
+    let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
+    options.opensandbox = Some(SandboxOptions {
+        spire: Some(SandboxSpire { server_socket: spire.socket(), agent_socket: agent.socket(), controller_id: CONTROLLER.into(), parent_id: AGENT.into() }),
+        ..SandboxOptions::on_host(&server, docker)
+    });
+    let mut controller = Controller::start(options).await;
+
+    gitea.commit_workflow(&repo, "identified.yml", IDENTIFIED).await;
+    let job_id = format!("spiffe://e2e.test/ci/{}/{}/build", repo.owner, repo.name);
+    let path =
+        |e: &serde_json::Value| format!("spiffe://{}{}", e["spiffe_id"]["trust_domain"].as_str().unwrap_or(""), e["spiffe_id"]["path"].as_str().unwrap_or(""));
+    wait_until("the sandbox's SPIRE entry exists", Duration::from_secs(120), || spire.entries().iter().any(|e| path(e) == job_id)).await;
+    let entry = spire.entries().into_iter().find(|e| path(e) == job_id).unwrap();
+    assert_eq!(entry["parent_id"]["path"], "/gdr/node", "{entry}");
+    assert_eq!(entry["selectors"][0]["value"], "uid:2000", "{entry}");
+    assert!(entry["id"].as_str().unwrap().starts_with("gdr-"), "named after the sandbox: {entry}");
+
+    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| all_done(t, 1)).await;
+    let log = strip_log_timestamps(&gitea.job_log(&repo, tasks[0].run_number, 0).await);
+    assert_eq!(tasks[0].status, "success", "{tasks:?}\n{log}\n{}\n{}", server.log(), agent.log());
+    assert!(log.contains("claimed over mTLS"), "{log}");
+    wait_until("the entry is removed with the sandbox", Duration::from_secs(60), || !spire.entries().iter().any(|e| path(e) == job_id)).await;
+    let mut left: Vec<String> = spire.entries().iter().map(path).collect();
+    left.sort();
+    assert_eq!(left, [CONTROLLER, AGENT], "only the controller's entry and the agent's alias stay");
+    controller.assert_running();
     controller.stop().await;
 }

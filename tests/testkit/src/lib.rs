@@ -6,6 +6,7 @@
 //! - [`nats`]: a real nats-server with JetStream.
 //! - [`gitea`]: a REAL Gitea 1.23.8 server (built from pinned upstream sources by scripts/install-test-peers).
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
+//! - [`spire`]: a REAL SPIRE server and agent.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
@@ -13,6 +14,7 @@ pub mod fake_gitea;
 pub mod gitea;
 pub mod nats;
 pub mod opensandbox;
+pub mod spire;
 pub mod workload;
 
 use std::{path::PathBuf, time::Duration};

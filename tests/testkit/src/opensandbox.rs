@@ -26,6 +26,8 @@ pub struct OpenSandbox {
     port: u16,
     docker_host: String,
     api_key: String,
+    /// `[docker] sandbox_binds`: host mounts of every sandbox (`host:container[:mode]`).
+    binds: Vec<String>,
 }
 
 /// `$PEERS_CACHE/bin/opensandbox-server`.
@@ -68,11 +70,17 @@ impl OpenSandbox {
     /// Starts the server against the dockerd at `docker_host` (`unix:///…`), with the
     /// stand-in execd image built from `execd_base`, and waits for `GET /health`.
     pub fn start(docker_host: &str, execd_base: &str) -> OpenSandbox {
+        Self::start_with_binds(docker_host, execd_base, &[])
+    }
+
+    /// [`OpenSandbox::start`] with host mounts in every sandbox (the server's
+    /// `sandbox_binds`, e.g. a SPIRE agent's socket directory).
+    pub fn start_with_binds(docker_host: &str, execd_base: &str, binds: &[String]) -> OpenSandbox {
         ensure_execd_image(docker_host, execd_base);
         let dir = tempfile::Builder::new().prefix("gdr-opensandbox-").tempdir().unwrap();
         let api_key = format!("gdr-test-{:016x}", fastrand_u64());
         std::fs::write(dir.path().join("api-key"), &api_key).unwrap();
-        let mut server = OpenSandbox { child: None, dir, port: free_port(), docker_host: docker_host.to_owned(), api_key };
+        let mut server = OpenSandbox { child: None, dir, port: free_port(), docker_host: docker_host.to_owned(), api_key, binds: binds.to_vec() };
         server.write_config();
         server.spawn();
         server
@@ -98,12 +106,14 @@ network_mode = "bridge"
 port_range_min = 20000
 port_range_max = 29999
 publish_host = "127.0.0.1"
+sandbox_binds = {binds}
 [ingress]
 mode = "direct"
 "#,
             port = self.port,
             key = self.api_key,
             dir = self.dir.path().display(),
+            binds = serde_json::to_string(&self.binds).unwrap(),
         );
         std::fs::write(self.dir.path().join("config.toml"), config).unwrap();
     }
