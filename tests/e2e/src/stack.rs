@@ -248,6 +248,18 @@ capacity = {capacity}
         self.store.list().await.unwrap().into_iter().map(|r| r.value).collect()
     }
 
+    /// Waits until every assignment is terminal. Gitea shows a task finished as soon as
+    /// the runner's last report reached it; the facade records the end only after Gitea
+    /// answered that report, so a test that saw Gitea's status must wait for ours.
+    pub async fn wait_until_all_terminal(&self, timeout: Duration) {
+        let store = Arc::clone(&self.store);
+        testkit::wait_until_async("every assignment is terminal", timeout, || {
+            let store = Arc::clone(&store);
+            async move { store.list().await.unwrap().iter().all(|r| r.value.is_terminal()) }
+        })
+        .await;
+    }
+
     /// Stops the components (as SIGTERM would) and waits for them.
     pub async fn stop(&mut self) {
         self.shutdown.cancel();

@@ -154,12 +154,7 @@ async fn cancelling_in_gitea_stops_the_job_and_removes_the_environment() {
     gitea.cancel_run(&repo, run).await;
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(60), |t| finished(t, 1)).await;
     assert_eq!(tasks[0].status, "cancelled");
-    let store = std::sync::Arc::clone(&controller.store);
-    testkit::wait_until_async("the assignment is terminal", Duration::from_secs(20), || {
-        let store = std::sync::Arc::clone(&store);
-        async move { store.list().await.unwrap().iter().all(|r| r.value.is_terminal()) }
-    })
-    .await;
+    controller.wait_until_all_terminal(Duration::from_secs(20)).await;
     let terminal_after = cancelled_at.elapsed();
     environments_gone(&controller).await;
     let gone_after = cancelled_at.elapsed();
@@ -257,6 +252,7 @@ async fn three_jobs_at_capacity_two() {
     watching.await.unwrap();
     assert_eq!(most.load(std::sync::atomic::Ordering::SeqCst), 2, "environments beyond capacity (or never two at once)");
     // Queue → start of the job that waited: from its fetch to its claim.
+    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
     let mut records = controller.records().await;
     records.sort_by_key(|r| r.created_at_ms);
     let third = &records[2];
