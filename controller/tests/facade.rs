@@ -456,20 +456,8 @@ async fn generated_requests_get_grpc_statuses() {
     let rss_after = testkit::rss_kib();
 
     let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
-    let mut report = format!(
-        "\nfacade hostile input: {total} requests in {:.1} s ({:.0}/s), seed {seed}, RSS {} → {} MiB\n| class | tried | outcomes |\n|---|---|---|\n",
-        elapsed.as_secs_f64(),
-        total as f64 / elapsed.as_secs_f64(),
-        rss_before / 1024,
-        rss_after / 1024
-    );
-    let mut violations = 0;
-    for (class, by_outcome) in outcomes.iter() {
-        let tried: usize = by_outcome.values().sum();
-        let text = by_outcome.iter().map(|(o, n)| format!("{o:?} {n}")).collect::<Vec<_>>().join(", ");
-        report += &format!("| {class:?} | {tried} | {text} |\n");
-        violations += by_outcome.iter().filter(|(o, _)| o.is_violation()).map(|(_, n)| n).sum::<usize>();
-    }
+    let (report, violations) =
+        testkit::hostile_report("facade hostile input", total, elapsed, seed, (rss_before, rss_after), &outcomes, |o: &Outcome| o.is_violation());
     println!("{report}");
     let panics = hostile::PANICS.load(std::sync::atomic::Ordering::SeqCst);
     assert_eq!(panics, 0, "the facade panicked {panics} times{report}");

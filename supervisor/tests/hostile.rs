@@ -493,20 +493,9 @@ async fn generated_hostile_requests_get_proper_connect_errors() {
     server.await.unwrap().unwrap();
 
     let outcomes = outcomes.lock().unwrap();
-    let mut report = format!(
-        "\nhostile input: {total} requests in {:.1} s ({:.0}/s), seed {seed}, RSS {} → {} MiB\n| class | tried | outcomes |\n|---|---|---|\n",
-        elapsed.as_secs_f64(),
-        total as f64 / elapsed.as_secs_f64(),
-        rss_before / 1024,
-        rss_after / 1024
-    );
-    let mut violations = 0;
-    for (class, by_outcome) in outcomes.iter() {
-        let tried: usize = by_outcome.values().sum();
-        let text = by_outcome.iter().map(|(o, n)| format!("{o:?} {n}")).collect::<Vec<_>>().join(", ");
-        report += &format!("| {class:?} | {tried} | {text} |\n");
-        violations += by_outcome.iter().filter(|(o, _)| matches!(o, Outcome::Improper(_) | Outcome::Hang)).map(|(_, n)| n).sum::<usize>();
-    }
+    let (report, violations) = testkit::hostile_report("hostile input", total, elapsed, seed, (rss_before, rss_after), &outcomes, |o: &Outcome| {
+        matches!(o, Outcome::Improper(_) | Outcome::Hang)
+    });
     println!("{report}");
     let panics = PANICS.load(Ordering::SeqCst);
     assert_eq!(panics, 0, "the server panicked {panics} times{report}");

@@ -65,3 +65,36 @@ pub fn rss_kib() -> u64 {
         .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
         .unwrap_or(0)
 }
+
+/// What a hostile-input test tried: requests by input class, then by outcome.
+pub type HostileOutcomes<C, O> = std::collections::BTreeMap<C, std::collections::BTreeMap<O, usize>>;
+
+/// The report of a hostile-input test — a header with the rate, seed and memory before and
+/// after, and a table of outcomes by input class — and how many requests ended in an
+/// outcome `is_violation` calls one.
+#[allow(clippy::cast_precision_loss)]
+pub fn hostile_report<C: std::fmt::Debug, O: std::fmt::Debug>(
+    title: &str,
+    total: usize,
+    elapsed: Duration,
+    seed: u64,
+    rss_kib: (u64, u64),
+    outcomes: &HostileOutcomes<C, O>,
+    is_violation: impl Fn(&O) -> bool,
+) -> (String, usize) {
+    let mut report = format!(
+        "\n{title}: {total} requests in {:.1} s ({:.0}/s), seed {seed}, RSS {} → {} MiB\n| class | tried | outcomes |\n|---|---|---|\n",
+        elapsed.as_secs_f64(),
+        total as f64 / elapsed.as_secs_f64(),
+        rss_kib.0 / 1024,
+        rss_kib.1 / 1024
+    );
+    let mut violations = 0;
+    for (class, by_outcome) in outcomes {
+        let tried: usize = by_outcome.values().sum();
+        let text = by_outcome.iter().map(|(o, n)| format!("{o:?} {n}")).collect::<Vec<_>>().join(", ");
+        report += &format!("| {class:?} | {tried} | {text} |\n");
+        violations += by_outcome.iter().filter(|(o, _)| is_violation(o)).map(|(_, n)| n).sum::<usize>();
+    }
+    (report, violations)
+}
