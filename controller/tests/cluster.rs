@@ -54,7 +54,18 @@ async fn three_replicas_survive_one_node_and_recover_from_two() {
     let mut consumer = eventually("a consumer with one node down", || store.consumer(Placement::CONTAINER_DOCKER, 20)).await;
     let mut delivered = Vec::new();
     while delivered.len() < 10 {
-        let delivery = consumer.next(Duration::from_secs(5)).await.unwrap().expect("every persisted assignment is queued");
+        // A pull may be answered 503 while the new consumer's leader is being elected;
+        // the worker retries those, and so does this loop, for up to 30 s.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let delivery = loop {
+            match consumer.next(Duration::from_secs(5)).await {
+                Ok(delivery) => break delivery.expect("every persisted assignment is queued"),
+                Err(error) => {
+                    assert!(Instant::now() < deadline, "pulling with one node down still fails after 30 s: {error}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
         delivered.push(delivery.assignment_id().to_owned());
         delivery.ack().await.unwrap();
     }
