@@ -72,8 +72,8 @@ impl Components {
     }
 }
 
-/// The driver of a placement, if this build has one: docker for container.docker,
-/// opensandbox for vm.opensandbox (kubernetes arrives with its own issue); in `test-driver` builds
+/// The driver of a placement, if its section is configured: docker for container.docker,
+/// opensandbox for vm.opensandbox, kubernetes for container.kubernetes; in `test-driver` builds
 /// the directory driver when GDR_TEST_DRIVER_DIR is set.
 async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Option<Arc<dyn Driver>>> {
     #[cfg(feature = "test-driver")]
@@ -91,6 +91,16 @@ async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Opt
     {
         let driver: Arc<dyn Driver> = Arc::new(crate::driver::opensandbox::OpenSandboxDriver::connect(opensandbox.clone()).await.context("opensandbox")?);
         if let Some(spire) = &opensandbox.spire {
+            let registrar = crate::spire::Registrar::new(spire.clone(), placement, &crate::driver::instance_of(&config.gitea.url));
+            return Ok(Some(Arc::new(crate::spire::Registered::new(driver, registrar))));
+        }
+        return Ok(Some(driver));
+    }
+    if placement == Placement::CONTAINER_KUBERNETES
+        && let Some(kubernetes) = &config.kubernetes
+    {
+        let driver: Arc<dyn Driver> = Arc::new(crate::driver::kubernetes::KubernetesDriver::connect(kubernetes.clone()).await.context("kubernetes")?);
+        if let Some(spire) = &kubernetes.spire {
             let registrar = crate::spire::Registrar::new(spire.clone(), placement, &crate::driver::instance_of(&config.gitea.url));
             return Ok(Some(Arc::new(crate::spire::Registered::new(driver, registrar))));
         }
@@ -183,10 +193,7 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
             };
             match driver {
                 Some(driver) => Some(driver),
-                None => bail!(
-                    "pool {placement}: this build has no {} driver yet (only docker and opensandbox); leave this worker out of --components",
-                    placement.driver
-                ),
+                None => bail!("pool {placement}: no [{}] section configures its driver; add one, or leave this worker out of --components", placement.driver),
             }
         } else {
             None

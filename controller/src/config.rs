@@ -26,6 +26,8 @@ pub struct Config {
     pub docker: Option<crate::driver::docker::DockerConfig>,
     /// The OpenSandbox driver (placement vm.opensandbox).
     pub opensandbox: Option<crate::driver::opensandbox::OpenSandboxConfig>,
+    /// The Kubernetes driver (placement container.kubernetes).
+    pub kubernetes: Option<crate::driver::kubernetes::KubernetesConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -307,6 +309,20 @@ impl Config {
         }
         if let Some(opensandbox) = &self.opensandbox
             && let Err((setting, message)) = opensandbox.validate()
+        {
+            return invalid(&setting, message);
+        }
+        if self.pools.iter().any(|p| p.placement == Placement::CONTAINER_KUBERNETES) && self.kubernetes.is_none() {
+            return invalid("kubernetes", "pool container.kubernetes needs a [kubernetes] section with namespace and image".into());
+        }
+        if self.kubernetes.as_ref().is_some_and(|k| k.spire.is_some()) && self.facade.environment_spiffe_endpoint_socket.is_none() {
+            return invalid(
+                "kubernetes.spire",
+                "Pods get SPIRE entries only when they wait for an SVID: set facade.environment_spiffe_endpoint_socket (the agent's socket inside Pods)".into(),
+            );
+        }
+        if let Some(kubernetes) = &self.kubernetes
+            && let Err((setting, message)) = kubernetes.validate()
         {
             return invalid(&setting, message);
         }

@@ -14,6 +14,7 @@ use crate::assignment::placement::Placement;
 #[cfg(feature = "test-driver")]
 pub mod directory;
 pub mod docker;
+pub mod kubernetes;
 pub mod opensandbox;
 
 /// Labels every environment carries (recovery metadata).
@@ -103,6 +104,31 @@ pub trait Driver: Send + Sync + std::fmt::Debug {
     async fn sweep_leftovers(&self, _listed: &[Environment]) -> Result<usize, DriverError> {
         Ok(0)
     }
+}
+
+/// The runner image's supervisor running the runner for one job: the command of
+/// drivers whose backend needs it spelled out (the image's ENTRYPOINT and CMD).
+pub fn default_command() -> Vec<String> {
+    ["/usr/local/bin/supervisor", "run", "--", "/usr/local/bin/gitea-runner", "daemon", "--once", "--config", "/etc/gitea-runner/config.yaml"]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// Checks a driver's extra environment for environments: never a contract variable
+/// (the controller sets those per job), never something that looks like a secret.
+///
+/// # Errors
+/// What is wrong with which variable.
+pub fn check_extra_env(env: &BTreeMap<String, String>) -> Result<(), String> {
+    for name in env.keys() {
+        if contract::environment::ALL.contains(&name.as_str()) {
+            return Err(format!("{name} is set by the controller for each job (the environment contract); remove it"));
+        }
+        if name.ends_with("TOKEN") || name.ends_with("_KEY") || name.contains("PASSWORD") || name.contains("SECRET") {
+            return Err(format!("{name} looks like a secret: environments never get the controller's secrets"));
+        }
+    }
+    Ok(())
 }
 
 /// Whether an error is worth retrying (the backend is unavailable) or final (the

@@ -46,7 +46,7 @@ pub struct OpenSandboxConfig {
     /// The runner image (as the sandbox runtime pulls it).
     pub image: String,
     /// The supervisor and the runner: OpenSandbox needs the entrypoint spelled out.
-    #[serde(default = "default_entrypoint")]
+    #[serde(default = "super::default_command")]
     pub entrypoint: Vec<String>,
     /// `resourceLimits.cpu`, Kubernetes quantity syntax.
     #[serde(default = "default_cpu")]
@@ -84,11 +84,6 @@ impl std::fmt::Debug for OpenSandboxConfig {
     }
 }
 
-fn default_entrypoint() -> Vec<String> {
-    ["/usr/local/bin/supervisor", "run", "--", "/usr/local/bin/gitea-runner", "daemon", "--once", "--config", "/etc/gitea-runner/config.yaml"]
-        .map(str::to_owned)
-        .to_vec()
-}
 fn default_cpu() -> String {
     "2".into()
 }
@@ -123,16 +118,11 @@ impl OpenSandboxConfig {
         if self.request_timeout.is_zero() {
             return invalid("request_timeout", "must be positive".into());
         }
-        for name in self.env.keys() {
-            if contract::environment::ALL.contains(&name.as_str()) {
-                return invalid("env", format!("{name} is set by the controller for each job (the environment contract); remove it"));
-            }
-            if name.ends_with("TOKEN") || name.ends_with("_KEY") || name.contains("PASSWORD") || name.contains("SECRET") {
-                return invalid("env", format!("{name} looks like a secret: environments never get the controller's secrets"));
-            }
+        if let Err(message) = super::check_extra_env(&self.env) {
+            return invalid("env", message);
         }
         if let Some(spire) = &self.spire {
-            spire.validate()?;
+            spire.validate("opensandbox.spire")?;
         }
         Ok(())
     }

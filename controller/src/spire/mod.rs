@@ -79,9 +79,9 @@ impl SpireConfig {
     /// Checks the templates with a sample environment name; `(setting, message)`.
     ///
     /// # Errors
-    /// The setting (relative to `[opensandbox.spire]`) and what is wrong with it.
-    pub fn validate(&self) -> Result<(), (String, String)> {
-        let invalid = |setting: &str, message: String| Err((format!("opensandbox.spire.{setting}"), message));
+    /// The setting (under `section`, e.g. `opensandbox.spire`) and what is wrong with it.
+    pub fn validate(&self, section: &str) -> Result<(), (String, String)> {
+        let invalid = |setting: &str, message: String| Err((format!("{section}.{setting}"), message));
         if let Err(message) = spiffe_id(&expand(&self.parent_id, "gdr-sample")) {
             return invalid("parent_id", message);
         }
@@ -372,7 +372,7 @@ mod tests {
             ("spiffe://example.org/ci-node", &[":2000"], Some("opensandbox.spire.selectors")),
         ];
         for (parent, selectors, expected) in cases {
-            let result = config(parent, selectors).validate();
+            let result = config(parent, selectors).validate("opensandbox.spire");
             assert_eq!(result.as_ref().err().map(|(setting, _)| setting.as_str()), *expected, "{parent} {selectors:?}: {result:?}");
         }
     }

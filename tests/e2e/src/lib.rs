@@ -1,6 +1,7 @@
 //! The end-to-end harness: everything real that can run here — the real Gitea
 //! (`testkit::gitea`), the real runners inside the runner image, the supervisor as the
-//! image's PID 1 on a real dockerd ([`docker`]), the controller's components in this
+//! image's PID 1 on a real dockerd ([`docker`]) and in Pods of a real Kubernetes cluster
+//! ([`kubernetes`]), the controller's components in this
 //! process ([`stack`]) — and the paths to the binaries the tests need ([`paths`]).
 //!
 //! A missing peer is a failure with a message saying how to install it, never a skip.
@@ -8,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
 pub mod docker;
+pub mod kubernetes;
 pub mod paths;
 pub mod stack;
 

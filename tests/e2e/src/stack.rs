@@ -32,6 +32,29 @@ pub struct Options {
     pub extra_gitea: String,
     /// Run jobs as OpenSandbox sandboxes (vm.opensandbox) instead of docker containers.
     pub opensandbox: Option<SandboxOptions>,
+    /// Run jobs as Pods (container.kubernetes) instead of docker containers.
+    pub kubernetes: Option<PodOptions>,
+}
+
+/// The container.kubernetes placement: a namespace of the real cluster, and the
+/// facade's development-mode listener on the host address Pods reach.
+#[derive(Debug, Clone)]
+pub struct PodOptions {
+    pub kubeconfig: PathBuf,
+    pub namespace: String,
+    /// `ip:port` Pods reach.
+    pub facade_listen: String,
+    /// More `[kubernetes]` settings (TOML lines).
+    pub extra: String,
+}
+
+impl PodOptions {
+    /// A namespace of `cluster` and the facade on a free port of the Pods' host address.
+    pub fn on(cluster: &crate::kubernetes::Cluster, namespace: &str) -> PodOptions {
+        let host = crate::kubernetes::Cluster::HOST_IP;
+        let port = std::net::TcpListener::bind((host, 0)).unwrap().local_addr().unwrap().port();
+        PodOptions { kubeconfig: cluster.kubeconfig.clone(), namespace: namespace.to_owned(), facade_listen: format!("{host}:{port}"), extra: String::new() }
+    }
 }
 
 /// The vm.opensandbox placement: the real opensandbox-server, and the facade's
@@ -97,6 +120,7 @@ impl Options {
             facade_socket: None,
             extra_gitea: String::new(),
             opensandbox: None,
+            kubernetes: None,
         }
     }
 }
@@ -139,8 +163,26 @@ impl Controller {
         let socket = options.facade_socket.clone().unwrap_or_else(|| dir.join("facade.sock"));
         let store = options.store.clone().unwrap_or_else(|| format!("kind = \"embedded\"\npath = \"{}/store.redb\"", dir.display()));
         let environment_url = options.environment_gitea_url.as_ref().map(|u| format!("environment_url = \"{u}\"\n")).unwrap_or_default();
-        let (placement, driver, facade) = match &options.opensandbox {
-            None => (
+        let (placement, driver, facade) = match (&options.opensandbox, &options.kubernetes) {
+            (None, Some(pods)) => (
+                "container.kubernetes",
+                format!(
+                    r#"[kubernetes]
+kubeconfig = "{kubeconfig}"
+namespace = "{namespace}"
+image = "{image}"
+image_pull_policy = "Never"
+termination_grace = "30s"
+{extra}
+"#,
+                    kubeconfig = pods.kubeconfig.display(),
+                    namespace = pods.namespace,
+                    image = options.image,
+                    extra = pods.extra,
+                ),
+                format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = pods.facade_listen),
+            ),
+            (None, None) => (
                 "container.docker",
                 format!(
                     r#"[docker]
@@ -160,7 +202,7 @@ stop_seconds = 5
                 ),
                 format!("unix_socket = \"{socket}\"\nurl = \"unix://{socket}\"", socket = socket.display()),
             ),
-            Some(sandbox) => (
+            (Some(sandbox), _) => (
                 "vm.opensandbox",
                 format!(
                     r#"[opensandbox]

@@ -1,0 +1,246 @@
+//! The Kubernetes cluster of the tests: the real single-node v1.34 cluster built by the
+//! peer scripts (`shared/peers/kubernetes`: etcd, kube-apiserver, controller-manager,
+//! scheduler, kubelet on a private containerd with runc and the bridge CNI), started once
+//! per test binary and stopped when it exits.
+//!
+//! What the harness adds to the peer's `up.sh`, each for a reason found here:
+//! - the kubelet is restarted with eviction and image-GC thresholds near zero: a build
+//!   host's disk is mostly full of build caches, and the defaults (evict below 10–15 %
+//!   free, collect images above 85 % used) would taint the node and delete the runner
+//!   image, which no registry can bring back;
+//! - the Pods' bridge gets the host address [`Cluster::HOST_IP`]: Pods have no route
+//!   off their subnet, and reach Gitea and the facade there;
+//! - images are imported into the node's containerd (no registry is reachable).
+
+use std::{
+    collections::HashSet,
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    process::{Command, Output, Stdio},
+    sync::{Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+pub struct Cluster {
+    /// The cluster-admin kubeconfig.
+    pub kubeconfig: PathBuf,
+    scripts: PathBuf,
+    top: PathBuf,
+    loaded: Mutex<HashSet<String>>,
+}
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+
+/// The shared cluster, started on first use.
+pub fn cluster() -> &'static Cluster {
+    CLUSTER.get_or_init(|| {
+        let cluster = Cluster::start();
+        // SAFETY: `stop_at_exit` is an `extern "C" fn()` with no arguments that only
+        // reads the initialised static; registering it has no other effect.
+        unsafe { libc::atexit(stop_at_exit) };
+        cluster
+    })
+}
+
+extern "C" fn stop_at_exit() {
+    if let Some(cluster) = CLUSTER.get() {
+        cluster.stop();
+    }
+}
+
+fn run(program: &str, args: &[&str]) -> Output {
+    Command::new(program).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{program} cannot run: {e}"))
+}
+
+/// The peer's scripts: `K8S_PEER_SCRIPTS`, or `shared/peers/kubernetes` beside the
+/// repository or at its place on this machine.
+fn scripts() -> PathBuf {
+    let candidates = std::env::var_os("K8S_PEER_SCRIPTS")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([crate::paths::repository().join("../shared/peers/kubernetes"), PathBuf::from("/work/shared/peers/kubernetes")]);
+    for candidate in candidates {
+        if candidate.join("up.sh").exists() {
+            return candidate;
+        }
+    }
+    panic!("the Kubernetes peer scripts (shared/peers/kubernetes/up.sh) are not beside the repository nor at /work/shared: set K8S_PEER_SCRIPTS");
+}
+
+impl Cluster {
+    /// Pods reach the host at this address on their bridge.
+    pub const HOST_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 1);
+    const BRIDGE: &str = "k8speer0";
+
+    fn start() -> Cluster {
+        let scripts = scripts();
+        let peers = std::env::var("PEERS_CACHE").unwrap_or_else(|_| format!("{}/.cache/gitea-dynamic-runner/peers", std::env::var("HOME").unwrap_or_default()));
+        let top = PathBuf::from(peers).join("kubernetes");
+        assert!(top.join("bin/kube-apiserver").exists(), "{} has no Kubernetes build: run scripts/install-test-peers", top.display());
+        let started = Instant::now();
+        let output = Command::new(scripts.join("up.sh")).env("PEERS_CACHE", top.parent().unwrap()).stdin(Stdio::null()).output().unwrap();
+        assert!(output.status.success(), "up.sh failed:\n{}\n{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let cluster = Cluster { kubeconfig: top.join("run/pki/admin.kubeconfig"), scripts, top, loaded: Mutex::new(HashSet::new()) };
+        cluster.restart_kubelet_without_disk_thresholds();
+        cluster.give_the_bridge_the_host_address();
+        cluster.wait_until_schedulable();
+        eprintln!("Kubernetes cluster up in {:?}", started.elapsed());
+        cluster
+    }
+
+    fn run_dir(&self) -> PathBuf {
+        self.top.join("run")
+    }
+
+    fn restart_kubelet_without_disk_thresholds(&self) {
+        let run_dir = self.run_dir();
+        let pid = std::fs::read_to_string(run_dir.join("kubelet.pid")).unwrap().trim().to_owned();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("the kubelet up.sh started is not running");
+        let args: Vec<String> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        let config = run_dir.join("kubelet-config.yaml");
+        let mut text = std::fs::read_to_string(&config).unwrap();
+        text.push_str(
+            "evictionHard: {memory.available: \"50Mi\", nodefs.available: \"1%\", imagefs.available: \"1%\", nodefs.inodesFree: \"1%\"}\n\
+             imageGCHighThresholdPercent: 100\nimageGCLowThresholdPercent: 99\n",
+        );
+        std::fs::write(&config, text).unwrap();
+        let _ = run("kill", &[&pid]);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let log = std::fs::OpenOptions::new().append(true).create(true).open(run_dir.join("logs/kubelet.log")).unwrap();
+        let child = Command::new(&args[0]).args(&args[1..]).stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
+        std::fs::write(run_dir.join("kubelet.pid"), child.id().to_string()).unwrap();
+        // The kubelet outlives this handle; down.sh stops it by its pid file.
+        std::mem::forget(child);
+    }
+
+    fn give_the_bridge_the_host_address(&self) {
+        // The bridge CNI plugin makes the bridge with the first Pod, and uses an existing one.
+        if !Path::new(&format!("/sys/class/net/{}", Self::BRIDGE)).exists() {
+            let output = run("ip", &["link", "add", Self::BRIDGE, "type", "bridge"]);
+            assert!(output.status.success(), "ip link add: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        let address = format!("{}/24", Self::HOST_IP);
+        let shown = run("ip", &["-4", "addr", "show", "dev", Self::BRIDGE]);
+        if !String::from_utf8_lossy(&shown.stdout).contains(&address) {
+            let output = run("ip", &["addr", "add", &address, "dev", Self::BRIDGE]);
+            assert!(output.status.success(), "ip addr add: {}", String::from_utf8_lossy(&output.stderr));
+        }
+        let output = run("ip", &["link", "set", Self::BRIDGE, "up"]);
+        assert!(output.status.success(), "ip link set up: {}", String::from_utf8_lossy(&output.stderr));
+    }
+
+    fn wait_until_schedulable(&self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let output = self.kubectl(&[
+                "get",
+                "nodes",
+                "-o",
+                "jsonpath={range .items[*]}{.spec.taints}{\" ready=\"}{.status.conditions[?(@.type==\"Ready\")].status}{end}",
+            ]);
+            let text = String::from_utf8_lossy(&output.stdout).into_owned();
+            if output.status.success() && text.contains("ready=True") && !text.contains("NoSchedule") {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the node is not schedulable after 120 s: {text}");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// `kubectl` as cluster-admin.
+    pub fn kubectl(&self, args: &[&str]) -> Output {
+        Command::new(self.top.join("bin/kubectl"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("kubectl cannot run")
+    }
+
+    /// `kubectl` that must succeed; its stdout.
+    pub fn kubectl_ok(&self, args: &[&str]) -> String {
+        let output = self.kubectl(args);
+        assert!(output.status.success(), "kubectl {args:?}: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// `kubectl apply -f -` of `yaml`; its output.
+    pub fn apply(&self, yaml: &str, extra: &[&str]) -> Output {
+        use std::io::Write as _;
+        let mut child = Command::new(self.top.join("bin/kubectl"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["apply", "-f", "-"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    }
+
+    /// The runner image of `variant`, imported into the node's containerd; its reference.
+    pub fn image(&self, variant: &str) -> String {
+        let (tag, tar) = crate::paths::image(variant);
+        let mut loaded = self.loaded.lock().unwrap();
+        if !loaded.contains(&tag) {
+            let socket = self.run_dir().join("containerd/containerd.sock");
+            let output = run("ctr", &["--address", &socket.display().to_string(), "-n", "k8s.io", "images", "import", &tar.display().to_string()]);
+            assert!(output.status.success(), "ctr images import {}: {}", tar.display(), String::from_utf8_lossy(&output.stderr));
+            loaded.insert(tag.clone());
+        }
+        tag
+    }
+
+    /// A fresh namespace (with its default ServiceAccount, which Pods need).
+    pub fn namespace(&self, prefix: &str) -> String {
+        let name = format!("{prefix}-{}", fastrand::u32(..) % 1_000_000);
+        self.kubectl_ok(&["create", "namespace", &name]);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.kubectl(&["-n", &name, "get", "serviceaccount", "default"]).status.success() {
+            assert!(Instant::now() < deadline, "namespace {name} has no default ServiceAccount after 60 s");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        name
+    }
+
+    /// Names of the Pods in `namespace` matching `selector` (terminating ones included).
+    pub fn pods(&self, namespace: &str, selector: &str) -> Vec<String> {
+        let output = self.kubectl_ok(&["-n", namespace, "get", "pods", "-l", selector, "-o", "jsonpath={.items[*].metadata.name}"]);
+        output.split_whitespace().map(str::to_owned).collect()
+    }
+
+    /// The log of the job container of Pod `name`, as the kubelet kept it (`kubectl logs`
+    /// cannot reach the kubelet's streaming server here).
+    pub fn pod_log(&self, namespace: &str, name: &str) -> String {
+        let dir = self.run_dir().join("pod-logs");
+        let Ok(entries) = std::fs::read_dir(&dir) else { return String::new() };
+        let mut text = String::new();
+        for entry in entries.filter_map(Result::ok) {
+            if entry.file_name().to_string_lossy().starts_with(&format!("{namespace}_{name}_"))
+                && let Ok(logs) = std::fs::read_dir(entry.path().join("job"))
+            {
+                for log in logs.filter_map(Result::ok) {
+                    text.push_str(&std::fs::read_to_string(log.path()).unwrap_or_default());
+                }
+            }
+        }
+        text
+    }
+
+    fn stop(&self) {
+        let _ = Command::new(self.scripts.join("down.sh"))
+            .env("PEERS_CACHE", self.top.parent().unwrap())
+            .env("WIPE", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
