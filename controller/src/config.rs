@@ -480,6 +480,28 @@ image = "gitea-dynamic-runner/runner:latest"
         assert_eq!(config.pools.len(), 1);
     }
 
+    /// The controller.toml of the Kubernetes manifests (the ConfigMap) and the example's
+    /// commented `[kubernetes]` sections are valid too.
+    #[test]
+    fn the_kubernetes_configs_are_valid() {
+        let manifest = include_str!("../../config/kubernetes/controller.yaml");
+        let start = manifest.find("controller.toml: |\n").unwrap() + "controller.toml: |\n".len();
+        let text: String = manifest[start..].lines().take_while(|l| l.starts_with("    ") || l.is_empty()).map(|l| format!("{}\n", l.trim_start())).collect();
+        let config = parse(&text, &[]).unwrap();
+        assert_eq!(config.pools[0].placement, Placement::CONTAINER_KUBERNETES);
+        let kubernetes = config.kubernetes.unwrap();
+        assert_eq!(kubernetes.namespace, "gitea-jobs");
+        assert!(kubernetes.spire.is_some() && kubernetes.workload_api.is_some());
+
+        let example = include_str!("../../config/controller.example.toml");
+        let (docker, commented) = example.split_once("# The Kubernetes driver").unwrap();
+        let uncommented: String =
+            commented.lines().filter_map(|l| l.strip_prefix("# ")).filter(|l| l.starts_with('[') || l.contains(" = ")).map(|l| format!("{l}\n")).collect();
+        let config = parse(&format!("{docker}\n{uncommented}"), &[]).unwrap();
+        assert_eq!(config.pools.len(), 2);
+        assert_eq!(config.kubernetes.unwrap().tolerations.len(), 1);
+    }
+
     #[test]
     fn the_default_labels_do_not_attract_self_hosted_jobs() {
         let config = parse(MINIMAL, &[]).unwrap();
