@@ -46,6 +46,23 @@ pub struct PodOptions {
     pub facade_listen: String,
     /// More `[kubernetes]` settings (TOML lines).
     pub extra: String,
+    /// SPIFFE instead of the development mode: the facade's mTLS listener, the agent's
+    /// socket directory mounted into each Pod, and a SPIRE entry per Pod.
+    pub spire: Option<PodSpire>,
+}
+
+/// How Pods get their identity in a test: the real SPIRE server, a node agent with the
+/// `k8s` workload attestor whose socket directory every Pod mounts.
+#[derive(Debug, Clone)]
+pub struct PodSpire {
+    pub server_socket: PathBuf,
+    pub agent_socket: PathBuf,
+    pub controller_id: String,
+    pub parent_id: String,
+}
+
+impl PodSpire {
+    pub const SOCKET_DIR_IN_POD: &str = "/run/spire/sockets";
 }
 
 impl PodOptions {
@@ -53,7 +70,13 @@ impl PodOptions {
     pub fn on(cluster: &crate::kubernetes::Cluster, namespace: &str) -> PodOptions {
         let host = crate::kubernetes::Cluster::HOST_IP;
         let port = std::net::TcpListener::bind((host, 0)).unwrap().local_addr().unwrap().port();
-        PodOptions { kubeconfig: cluster.kubeconfig.clone(), namespace: namespace.to_owned(), facade_listen: format!("{host}:{port}"), extra: String::new() }
+        PodOptions {
+            kubeconfig: cluster.kubeconfig.clone(),
+            namespace: namespace.to_owned(),
+            facade_listen: format!("{host}:{port}"),
+            extra: String::new(),
+            spire: None,
+        }
     }
 }
 
@@ -103,6 +126,15 @@ impl SandboxOptions {
             spire: None,
         }
     }
+}
+
+/// The `[facade]` lines of an mTLS listener on `listen` with the controller's SVID from
+/// `agent` and environments' agent socket at `inside`.
+fn mtls_facade(listen: &str, agent: &std::path::Path, controller_id: &str, inside: &str) -> String {
+    format!(
+        "listen = \"{listen}\"\nurl = \"https://{listen}\"\nspiffe_endpoint_socket = \"unix://{agent}\"\nspiffe_id = \"{controller_id}\"\nenvironment_spiffe_endpoint_socket = \"unix://{inside}\"",
+        agent = agent.display(),
+    )
 }
 
 impl Options {
@@ -174,13 +206,28 @@ image = "{image}"
 image_pull_policy = "Never"
 termination_grace = "30s"
 {extra}
-"#,
+{spire}"#,
                     kubeconfig = pods.kubeconfig.display(),
                     namespace = pods.namespace,
                     image = options.image,
                     extra = pods.extra,
+                    spire = pods.spire.as_ref().map_or_else(String::new, |spire| format!(
+                        "[kubernetes.workload_api]\nhost_path = \"{dir}\"\nmount_path = \"{inside}\"\n[kubernetes.spire]\nserver_socket = \"{server}\"\nparent_id = \"{parent}\"\nselectors = [\"k8s:ns:{namespace}\", \"k8s:pod-name:{{environment}}\"]\n",
+                        dir = spire.agent_socket.parent().unwrap().display(),
+                        inside = PodSpire::SOCKET_DIR_IN_POD,
+                        server = spire.server_socket.display(),
+                        parent = spire.parent_id,
+                        namespace = pods.namespace,
+                    )),
                 ),
-                format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = pods.facade_listen),
+                match &pods.spire {
+                    None => format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = pods.facade_listen),
+                    Some(spire) => mtls_facade(&pods.facade_listen, &spire.agent_socket, &spire.controller_id, &format!(
+                        "{}/{}",
+                        PodSpire::SOCKET_DIR_IN_POD,
+                        spire.agent_socket.file_name().unwrap().to_string_lossy()
+                    )),
+                },
             ),
             (None, None) => (
                 "container.docker",
@@ -226,13 +273,7 @@ timeout = "30m"
                 ),
                 match &sandbox.spire {
                     None => format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = sandbox.facade_listen),
-                    Some(spire) => format!(
-                        "listen = \"{listen}\"\nurl = \"https://{listen}\"\nspiffe_endpoint_socket = \"unix://{agent}\"\nspiffe_id = \"{id}\"\nenvironment_spiffe_endpoint_socket = \"unix://{inside}\"",
-                        listen = sandbox.facade_listen,
-                        agent = spire.agent_socket.display(),
-                        id = spire.controller_id,
-                        inside = SandboxSpire::SOCKET_IN_SANDBOX,
-                    ),
+                    Some(spire) => mtls_facade(&sandbox.facade_listen, &spire.agent_socket, &spire.controller_id, SandboxSpire::SOCKET_IN_SANDBOX),
                 },
             ),
         };

@@ -427,3 +427,69 @@ async fn the_manifests_apply_and_the_driver_works_with_least_privilege() {
     assert_eq!(driver.get(&spec.name).await.unwrap(), None);
     driver.delete(&spec.name).await.unwrap();
 }
+
+const IDENTIFIED: &str = r#"name: identified
+on: push
+jobs:
+  build:
+    runs-on: [disposable, container, kubernetes]
+    steps:
+      - run: echo "claimed over mTLS from a Pod"
+"#;
+
+/// SPIFFE instead of the development mode: the real SPIRE server, a node agent with the
+/// `k8s` workload attestor (asking this node's kubelet which Pod a caller is in), its
+/// socket directory mounted into every Pod, the facade's mTLS listener with the
+/// controller's SVID, and one SPIRE entry per Pod made by the controller for exactly that
+/// Pod (`k8s:ns` and `k8s:pod-name`). The supervisor in the Pod waits for its job's SVID
+/// and claims over mTLS; the entry is gone with the Pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_claims_its_job_over_mtls_with_the_svid_of_its_own_entry() {
+    use e2e::stack::PodSpire;
+    use testkit::spire::{SpireAgent, SpireServer};
+    const AGENT: &str = "spiffe://e2e.test/gdr/k8s-node";
+    const CONTROLLER: &str = "spiffe://e2e.test/gdr/controller";
+    let Setup { gitea, repo, namespace, mut options, _turn } = setup("identified-pod", 2).await;
+    let pki = cluster().kubeconfig.parent().unwrap().to_owned();
+    let spire = tokio::task::block_in_place(|| SpireServer::start("e2e.test"));
+    // The kubelet listens on 127.0.0.1 only here; the admin certificate is authorised by
+    // the kubelet's webhook (a node's agent would use its own credential).
+    let k8s_attestor = format!(
+        "  WorkloadAttestor \"k8s\" {{\n    plugin_data {{\n      kubelet_secure_port = 30250\n      skip_kubelet_verification = true\n      certificate_path = \"{}\"\n      private_key_path = \"{}\"\n    }}\n  }}",
+        pki.join("admin.crt").display(),
+        pki.join("admin.key").display()
+    );
+    let agent = tokio::task::block_in_place(|| SpireAgent::start_with(&spire, AGENT, &k8s_attestor));
+    let exe = std::env::current_exe().unwrap();
+    let entry = spire.cli(&["entry", "create", "-parentID", AGENT, "-spiffeID", CONTROLLER, "-selector", &format!("unix:path:{}", exe.display())]);
+    assert!(entry.status.success(), "{}", String::from_utf8_lossy(&entry.stderr));
+    if let Some(pods) = options.kubernetes.as_mut() {
+        pods.spire = Some(PodSpire { server_socket: spire.socket(), agent_socket: agent.socket(), controller_id: CONTROLLER.into(), parent_id: AGENT.into() });
+    }
+    let mut controller = Controller::start(options).await;
+
+    gitea.commit_workflow(&repo, "identified.yml", IDENTIFIED).await;
+    let job_id = format!("spiffe://e2e.test/ci/{}/{}/build", repo.owner, repo.name);
+    let path =
+        |e: &serde_json::Value| format!("spiffe://{}{}", e["spiffe_id"]["trust_domain"].as_str().unwrap_or(""), e["spiffe_id"]["path"].as_str().unwrap_or(""));
+    wait_until("the Pod's SPIRE entry exists", Duration::from_secs(120), || spire.entries().iter().any(|e| path(e) == job_id)).await;
+    let entry = spire.entries().into_iter().find(|e| path(e) == job_id).unwrap();
+    let selectors: Vec<String> =
+        entry["selectors"].as_array().unwrap().iter().map(|s| format!("{}:{}", s["type"].as_str().unwrap(), s["value"].as_str().unwrap())).collect();
+    assert!(selectors.contains(&format!("k8s:ns:{namespace}")), "{entry}");
+    let pod_name = entry["id"].as_str().unwrap().to_owned();
+    assert!(selectors.contains(&format!("k8s:pod-name:{pod_name}")), "{entry}");
+
+    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| all_done(t, 1)).await;
+    let log = strip_log_timestamps(&gitea.job_log(&repo, tasks[0].run_number, 0).await);
+    assert_eq!(tasks[0].status, "success", "{tasks:?}\n{log}\n{}", agent.log());
+    // The facade listens only with mTLS here: the claim itself proves the SVID.
+    assert!(log.contains(&format!("identity: ready ({job_id})")), "the supervisor did not wait for its SVID:\n{log}");
+    assert!(log.contains("claimed over mTLS from a Pod"), "{log}");
+    wait_until("the entry is removed with the Pod", Duration::from_secs(90), || !spire.entries().iter().any(|e| path(e) == job_id)).await;
+    pods_gone(&namespace, &controller).await;
+    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
+    controller.assert_running();
+    controller.stop().await;
+    tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
+}

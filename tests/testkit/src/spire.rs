@@ -144,6 +144,12 @@ impl SpireAgent {
     /// An agent attested with a join token for `alias`, with the unix workload attestor;
     /// its Workload API socket is in a directory of its own (to be mounted elsewhere).
     pub fn start(server: &SpireServer, alias: &str) -> SpireAgent {
+        SpireAgent::start_with(server, alias, "")
+    }
+
+    /// [`SpireAgent::start`] with more plugin blocks (HCL), e.g. the `k8s` workload
+    /// attestor for Pods on this node.
+    pub fn start_with(server: &SpireServer, alias: &str, more_plugins: &str) -> SpireAgent {
         let token = server.join_token(alias);
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
@@ -179,6 +185,7 @@ plugins {{
       discover_workload_path = true
     }}
   }}
+{more_plugins}
 }}
 "#,
                 data = d.join("agent-data").display(),
