@@ -188,7 +188,7 @@ fn registered(driver: OpenSandboxDriver, spire: &SpireServer, stale_after: &str)
         spire.socket().display()
     ))
     .unwrap();
-    config.validate().unwrap();
+    config.validate("opensandbox.spire").unwrap();
     Registered::new(Arc::new(driver), Registrar::new(config, Placement::VM_OPENSANDBOX, "test"))
 }
 

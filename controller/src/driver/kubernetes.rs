@@ -667,10 +667,60 @@ mod tests {
         assert_eq!(phase_of(&deleting).0, Phase::Exited);
     }
 
+    /// The Pod a driver makes, field by field (the real cluster accepts it: see
+    /// tests/e2e/tests/kubernetes.rs).
+    // A client needs a runtime (its request buffer is a task); nothing is sent.
+    #[tokio::test]
+    async fn the_pod_carries_the_contract_and_the_jobs_shape() {
+        let mut config = config();
+        config.cpu = Some("2".into());
+        config.runtime_class = Some("kata".into());
+        config.node_selector = BTreeMap::from([("pool".to_owned(), "ci".to_owned())]);
+        config.workload_api =
+            Some(WorkloadApiVolume { host_path: Some("/run/spire/agent-sockets".into()), csi_driver: None, mount_path: "/run/spire/sockets".into() });
+        config.env = BTreeMap::from([("SUPERVISOR_LOG".to_owned(), "debug".to_owned())]);
+        let spec = EnvironmentSpec {
+            assignment_id: "gitea-task-9".into(),
+            name: "gdr-x-gitea-task-9".into(),
+            labels: super::super::labels_for("x", "gitea-task-9", Placement::CONTAINER_KUBERNETES),
+            env: BTreeMap::from([
+                (contract::environment::ASSIGNMENT_ID.to_owned(), "gitea-task-9".to_owned()),
+                (contract::environment::SPIFFE_ID.to_owned(), "spiffe://example.org/ci/o/r/build".to_owned()),
+            ]),
+        };
+        let pods: Api<Pod> = Api::namespaced(Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap(), "ci-jobs");
+        let driver = KubernetesDriver { placement: Placement::CONTAINER_KUBERNETES, pods, config };
+        let pod = serde_json::to_value(driver.pod(&spec)).unwrap();
+        assert_eq!(pod["metadata"]["name"], "gdr-x-gitea-task-9");
+        assert_eq!(pod["metadata"]["namespace"], "ci-jobs");
+        assert_eq!(pod["metadata"]["labels"]["gitea-dynamic-runner/assignment-id"], "gitea-task-9");
+        assert_eq!(pod["metadata"]["annotations"][ANNOTATION_SPIFFE_ID], "spiffe://example.org/ci/o/r/build");
+        let spec = &pod["spec"];
+        assert_eq!(spec["restartPolicy"], "Never");
+        assert_eq!(spec["automountServiceAccountToken"], false);
+        assert_eq!(spec["shareProcessNamespace"], false);
+        assert_eq!(spec["enableServiceLinks"], false);
+        assert_eq!(spec["activeDeadlineSeconds"], 3 * 3600);
+        assert_eq!(spec["terminationGracePeriodSeconds"], 30);
+        assert_eq!(spec["runtimeClassName"], "kata");
+        assert_eq!(spec["nodeSelector"]["pool"], "ci");
+        let container = &spec["containers"][0];
+        assert_eq!(container["securityContext"]["privileged"], true);
+        assert_eq!(container["resources"]["limits"]["cpu"], "2");
+        assert_eq!(container["resources"]["requests"]["cpu"], "2");
+        let env: Vec<&str> = container["env"].as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
+        assert_eq!(env, ["SUPERVISOR_LOG", "CI_ASSIGNMENT_ID", "CI_SPIFFE_ID"]);
+        let mounts: Vec<&str> = container["volumeMounts"].as_array().unwrap().iter().map(|m| m["mountPath"].as_str().unwrap()).collect();
+        assert_eq!(mounts, ["/var/lib/supervisor", "/home/runner/work", "/run/spire/sockets"]);
+        assert_eq!(spec["volumes"][2]["hostPath"]["path"], "/run/spire/agent-sockets");
+        assert!(spec["volumes"][0]["emptyDir"].is_object());
+    }
+
     #[test]
     fn settings_are_validated_with_their_names() {
         assert_eq!(config().validate(), Ok(()));
-        let cases: Vec<(&str, fn(&mut KubernetesConfig))> = vec![
+        type Change = fn(&mut KubernetesConfig);
+        let cases: Vec<(&str, Change)> = vec![
             ("kubernetes.namespace", |c| c.namespace = "CI_Jobs".into()),
             ("kubernetes.namespace", |c| c.namespace = String::new()),
             ("kubernetes.image", |c| c.image = " ".into()),

@@ -1,7 +1,8 @@
 //! `scripts/bench-jobs [RUNS]`: how fast a job starts, end to end, with the real Gitea,
 //! the controller, the runner image on a real dockerd and the real gitea-runner (as a
 //! container.docker environment, then as a vm.opensandbox sandbox of the real
-//! opensandbox-server) — and
+//! opensandbox-server, then as a container.kubernetes Pod of the real single-node
+//! cluster) — and
 //! beside it, in the same run and from the same Gitea, a plain gitea-runner (`daemon`,
 //! host mode) picking up the same job. Prints medians of RUNS (default 5) jobs,
 //! commit → first step and FetchTask reply → first step, broken down by phase. Asserts
@@ -100,14 +101,48 @@ fn watch_containers(label: String, stop: std::sync::Arc<std::sync::atomic::Atomi
     })
 }
 
+/// When each Pod (by assignment id) was first seen and first seen Running (Unix ms),
+/// polling the API server every 50 ms: its own timestamps have whole seconds only.
+fn watch_pods(namespace: String, label: String, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<BTreeMap<String, (i64, i64)>> {
+    std::thread::spawn(move || {
+        let mut first_seen: BTreeMap<String, i64> = BTreeMap::new();
+        let mut seen = BTreeMap::new();
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            let output = e2e::kubernetes::cluster().kubectl(&["-n", &namespace, "get", "pods", "-l", &label, "-o", "json"]);
+            let now = now_ms();
+            if let Ok(list) = serde_json::from_slice::<serde_json::Value>(&output.stdout) {
+                for pod in list["items"].as_array().into_iter().flatten() {
+                    let Some(assignment) = pod["metadata"]["labels"]["gitea-dynamic-runner/assignment-id"].as_str() else { continue };
+                    let created = *first_seen.entry(assignment.to_owned()).or_insert(now);
+                    if pod["status"]["phase"] == "Running" {
+                        seen.entry(assignment.to_owned()).or_insert((created, now));
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        seen
+    })
+}
+
+/// Where the environments of a measured placement are watched.
+enum Watch {
+    Docker,
+    Pods(String),
+}
+
 /// Runs `runs` jobs through a controller made from `options` and returns their phases
 /// (ms), by row name.
-async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str, runs: usize) -> BTreeMap<&'static str, Vec<i64>> {
+async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str, runs: usize, watch: Watch) -> BTreeMap<&'static str, Vec<i64>> {
     let mut controller = Controller::start(options).await;
     let repo = gitea.create_repo(repo_name).await;
     let label = format!("gitea-dynamic-runner/instance={}", controller::driver::instance_of(&gitea.url()));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watcher = watch_containers(label, std::sync::Arc::clone(&stop));
+    let pods = matches!(watch, Watch::Pods(_));
+    let watcher = match watch {
+        Watch::Docker => watch_containers(label, std::sync::Arc::clone(&stop)),
+        Watch::Pods(namespace) => watch_pods(namespace, label, std::sync::Arc::clone(&stop)),
+    };
     let mut ours = Vec::new();
     for n in 0..runs {
         ours.push(run_one(gitea, &repo, labels, n).await);
@@ -128,6 +163,28 @@ async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str,
         let (created, started) = containers.get(&record.assignment_id).copied().unwrap_or((fetched, fetched));
         let first_step = first_step_ms(log).expect("the first step's line has no timestamp");
         let (claimed, runner_started, job_started) = (at("claimed").unwrap(), at("runner_started").unwrap(), at("job_started").unwrap());
+        if pods {
+            // The kubelet reports a Pod Running after its container started (the
+            // supervisor has often claimed by then), so the Pod's own phases are not
+            // comparable: from the reply to the claim is the Pod's whole start.
+            let mut phases = vec![
+                ("1 commit → FetchTask reply", fetched - committed),
+                ("2 FetchTask reply → Pod seen (API poll)", created - fetched),
+                ("3 FetchTask reply → claimed (Pod scheduled, sandbox, container, supervisor)", claimed - fetched),
+                ("5 claimed → runner started", runner_started - claimed),
+                ("7 runner started → hook passed", job_started - runner_started),
+                ("8 hook passed → first step", first_step - job_started),
+                ("= FetchTask reply → first step", first_step - fetched),
+                ("= commit → first step", first_step - *committed),
+            ];
+            if let Some(docker_ready) = at("docker_ready") {
+                phases.push(("6 claimed → dockerd ready", docker_ready - claimed));
+            }
+            for (name, value) in phases {
+                rows.entry(name).or_default().push(value);
+            }
+            continue;
+        }
         let mut phases = vec![
             ("1 commit → FetchTask reply", fetched - committed),
             ("2 FetchTask reply → container created", created - fetched),
@@ -167,14 +224,26 @@ async fn main() {
     // The controller: capacity 1, polling every second like the plain runner below.
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.capacity = 1;
-    let rows = measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs).await;
+    let rows = measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs, Watch::Docker).await;
 
     // vm.opensandbox: the real opensandbox-server (Docker runtime) on the same host; the
     // sandbox is unprivileged there, so without the job-local dockerd.
     let server = tokio::task::block_in_place(|| testkit::opensandbox::OpenSandbox::start(&docker.url(), &image));
     options.opensandbox = Some(e2e::stack::SandboxOptions::on_host(&server, docker));
-    let vm_rows = measure(&gitea, options, "bench-vm", "disposable, vm", runs).await;
+    let vm_rows = measure(&gitea, options.clone(), "bench-vm", "disposable, vm", runs, Watch::Docker).await;
     drop(server);
+
+    // container.kubernetes: Pods of the real single-node cluster reach the host on their
+    // bridge only, so a Gitea there.
+    let cluster = tokio::task::block_in_place(e2e::kubernetes::cluster);
+    let pod_image = tokio::task::block_in_place(|| cluster.image("gitea-runner"));
+    let namespace = tokio::task::block_in_place(|| cluster.namespace("gdr-bench"));
+    let pod_gitea = Gitea::start(GiteaOptions { bind: e2e::kubernetes::Cluster::HOST_IP.into(), ..GiteaOptions::default() }).await;
+    let pod_token = pod_gitea.runner_registration_token().await;
+    let mut pod_options = Options::new(&pod_gitea.url(), &pod_token, &pod_image, &docker.socket);
+    pod_options.capacity = 1;
+    pod_options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));
+    let pod_rows = measure(&pod_gitea, pod_options, "bench-pod", "disposable, container, kubernetes", runs, Watch::Pods(namespace)).await;
 
     // A plain gitea-runner on the host, same Gitea, same job.
     let plain_dir = tempfile::tempdir().unwrap();
@@ -214,6 +283,9 @@ async fn main() {
     print_rows(&rows);
     println!("gitea-dynamic-runner (vm.opensandbox via opensandbox-server 1.1.1, Docker runtime, no job-local dockerd):");
     print_rows(&vm_rows);
+    println!("gitea-dynamic-runner (container.kubernetes, Kubernetes v1.34.12 single node, containerd + runc, privileged Pod, dockerd on loop-backed ext4;");
+    println!("  \"Pod seen\" = first seen by a kubectl poll every 50 ms, each poll itself taking a few hundred ms):");
+    print_rows(&pod_rows);
     println!("plain gitea-runner v3.3.0 (daemon, host mode, no isolation, same Gitea):");
     print_rows(&plain_rows);
 }
