@@ -89,24 +89,27 @@ async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Opt
     if placement == Placement::VM_OPENSANDBOX
         && let Some(opensandbox) = &config.opensandbox
     {
-        let driver: Arc<dyn Driver> = Arc::new(crate::driver::opensandbox::OpenSandboxDriver::connect(opensandbox.clone()).await.context("opensandbox")?);
-        if let Some(spire) = &opensandbox.spire {
-            let registrar = crate::spire::Registrar::new(spire.clone(), placement, &crate::driver::instance_of(&config.gitea.url));
-            return Ok(Some(Arc::new(crate::spire::Registered::new(driver, registrar))));
-        }
-        return Ok(Some(driver));
+        let driver = crate::driver::opensandbox::OpenSandboxDriver::connect(opensandbox.clone()).await.context("opensandbox")?;
+        return Ok(Some(with_spire(Arc::new(driver), opensandbox.spire.as_ref(), config)));
     }
     if placement == Placement::CONTAINER_KUBERNETES
         && let Some(kubernetes) = &config.kubernetes
     {
-        let driver: Arc<dyn Driver> = Arc::new(crate::driver::kubernetes::KubernetesDriver::connect(kubernetes.clone()).await.context("kubernetes")?);
-        if let Some(spire) = &kubernetes.spire {
-            let registrar = crate::spire::Registrar::new(spire.clone(), placement, &crate::driver::instance_of(&config.gitea.url));
-            return Ok(Some(Arc::new(crate::spire::Registered::new(driver, registrar))));
-        }
-        return Ok(Some(driver));
+        let driver = crate::driver::kubernetes::KubernetesDriver::connect(kubernetes.clone()).await.context("kubernetes")?;
+        return Ok(Some(with_spire(Arc::new(driver), kubernetes.spire.as_ref(), config)));
     }
     Ok(None)
+}
+
+/// `driver`, making one SPIRE entry per environment when its section configures it.
+fn with_spire(driver: Arc<dyn Driver>, spire: Option<&crate::spire::SpireConfig>, config: &Config) -> Arc<dyn Driver> {
+    match spire {
+        Some(spire) => {
+            let registrar = crate::spire::Registrar::new(spire.clone(), driver.placement(), &crate::driver::instance_of(&config.gitea.url));
+            Arc::new(crate::spire::Registered::new(driver, registrar))
+        }
+        None => driver,
+    }
 }
 
 /// How this controller registers with Gitea.

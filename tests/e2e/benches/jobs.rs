@@ -163,42 +163,36 @@ async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str,
         let (created, started) = containers.get(&record.assignment_id).copied().unwrap_or((fetched, fetched));
         let first_step = first_step_ms(log).expect("the first step's line has no timestamp");
         let (claimed, runner_started, job_started) = (at("claimed").unwrap(), at("runner_started").unwrap(), at("job_started").unwrap());
-        if pods {
+        let mut phases = if pods {
             // The kubelet reports a Pod Running after its container started (the
             // supervisor has often claimed by then), so the Pod's own phases are not
             // comparable: from the reply to the claim is the Pod's whole start.
-            let mut phases = vec![
-                ("1 commit → FetchTask reply", fetched - committed),
+            vec![
                 ("2 FetchTask reply → Pod seen (API poll)", created - fetched),
                 ("3 FetchTask reply → claimed (Pod scheduled, sandbox, container, supervisor)", claimed - fetched),
-                ("5 claimed → runner started", runner_started - claimed),
-                ("7 runner started → hook passed", job_started - runner_started),
-                ("8 hook passed → first step", first_step - job_started),
-                ("= FetchTask reply → first step", first_step - fetched),
-                ("= commit → first step", first_step - *committed),
-            ];
-            if let Some(docker_ready) = at("docker_ready") {
-                phases.push(("6 claimed → dockerd ready", docker_ready - claimed));
-            }
-            for (name, value) in phases {
-                rows.entry(name).or_default().push(value);
-            }
-            continue;
-        }
-        let mut phases = vec![
+            ]
+        } else {
+            vec![
+                ("2 FetchTask reply → container created", created - fetched),
+                ("3 container created → started", started - created),
+                ("4 container started → claimed", claimed - started),
+            ]
+        };
+        phases.extend([
             ("1 commit → FetchTask reply", fetched - committed),
-            ("2 FetchTask reply → container created", created - fetched),
-            ("3 container created → started", started - created),
-            ("4 container started → claimed", claimed - started),
             ("5 claimed → runner started", runner_started - claimed),
             ("7 runner started → hook passed", job_started - runner_started),
             ("8 hook passed → first step", first_step - job_started),
             ("= FetchTask reply → first step", first_step - fetched),
             ("= commit → first step", first_step - *committed),
-        ];
+        ]);
         // Only where the environment runs its own dockerd.
         if let Some(docker_ready) = at("docker_ready") {
-            phases.push(("6 container started → dockerd ready", docker_ready - started));
+            phases.push(if pods {
+                ("6 claimed → dockerd ready", docker_ready - claimed)
+            } else {
+                ("6 container started → dockerd ready", docker_ready - started)
+            });
         }
         for (name, value) in phases {
             rows.entry(name).or_default().push(value);

@@ -9,9 +9,11 @@ use std::{
     net::Ipv4Addr,
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
-    sync::{Mutex, OnceLock},
+    sync::Mutex,
     time::{Duration, Instant},
 };
+
+use crate::run;
 
 pub struct HostDocker {
     pub socket: PathBuf,
@@ -24,27 +26,11 @@ pub struct HostDocker {
     loaded: Mutex<HashSet<String>>,
 }
 
-static HOST: OnceLock<HostDocker> = OnceLock::new();
+static HOST: crate::Shared<HostDocker> = crate::Shared::new();
 
 /// The shared Docker host, started on first use.
 pub fn host() -> &'static HostDocker {
-    HOST.get_or_init(|| {
-        let host = HostDocker::start();
-        // SAFETY: `stop_at_exit` is an `extern "C" fn()` with no arguments that only
-        // reads the initialised static; registering it has no other effect.
-        unsafe { libc::atexit(stop_at_exit) };
-        host
-    })
-}
-
-extern "C" fn stop_at_exit() {
-    if let Some(host) = HOST.get() {
-        host.stop();
-    }
-}
-
-fn run(program: &str, args: &[&str]) -> Output {
-    Command::new(program).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{program} cannot run: {e}"))
+    HOST.get_or_start(HostDocker::start)
 }
 
 impl HostDocker {
@@ -138,7 +124,9 @@ impl HostDocker {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
 
+impl crate::SharedPeer for HostDocker {
     fn stop(&self) {
         let _ = run("kill", &["-TERM", &self.pid.to_string()]);
         let deadline = Instant::now() + Duration::from_secs(15);

@@ -17,9 +17,11 @@ use std::{
     net::Ipv4Addr,
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
-    sync::{Mutex, OnceLock},
+    sync::Mutex,
     time::{Duration, Instant},
 };
+
+use crate::run;
 
 pub struct Cluster {
     /// The cluster-admin kubeconfig.
@@ -29,27 +31,11 @@ pub struct Cluster {
     loaded: Mutex<HashSet<String>>,
 }
 
-static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+static CLUSTER: crate::Shared<Cluster> = crate::Shared::new();
 
 /// The shared cluster, started on first use.
 pub fn cluster() -> &'static Cluster {
-    CLUSTER.get_or_init(|| {
-        let cluster = Cluster::start();
-        // SAFETY: `stop_at_exit` is an `extern "C" fn()` with no arguments that only
-        // reads the initialised static; registering it has no other effect.
-        unsafe { libc::atexit(stop_at_exit) };
-        cluster
-    })
-}
-
-extern "C" fn stop_at_exit() {
-    if let Some(cluster) = CLUSTER.get() {
-        cluster.stop();
-    }
-}
-
-fn run(program: &str, args: &[&str]) -> Output {
-    Command::new(program).args(args).stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{program} cannot run: {e}"))
+    CLUSTER.get_or_start(Cluster::start)
 }
 
 /// The peer's scripts: `K8S_PEER_SCRIPTS`, or `shared/peers/kubernetes` beside the
@@ -215,25 +201,9 @@ impl Cluster {
         let output = self.kubectl_ok(&["-n", namespace, "get", "pods", "-l", selector, "-o", "jsonpath={.items[*].metadata.name}"]);
         output.split_whitespace().map(str::to_owned).collect()
     }
+}
 
-    /// The log of the job container of Pod `name`, as the kubelet kept it (`kubectl logs`
-    /// cannot reach the kubelet's streaming server here).
-    pub fn pod_log(&self, namespace: &str, name: &str) -> String {
-        let dir = self.run_dir().join("pod-logs");
-        let Ok(entries) = std::fs::read_dir(&dir) else { return String::new() };
-        let mut text = String::new();
-        for entry in entries.filter_map(Result::ok) {
-            if entry.file_name().to_string_lossy().starts_with(&format!("{namespace}_{name}_"))
-                && let Ok(logs) = std::fs::read_dir(entry.path().join("job"))
-            {
-                for log in logs.filter_map(Result::ok) {
-                    text.push_str(&std::fs::read_to_string(log.path()).unwrap_or_default());
-                }
-            }
-        }
-        text
-    }
-
+impl crate::SharedPeer for Cluster {
     fn stop(&self) {
         let _ = Command::new(self.scripts.join("down.sh"))
             .env("PEERS_CACHE", self.top.parent().unwrap())

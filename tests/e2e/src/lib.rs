@@ -21,6 +21,71 @@ pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
     TURN.lock().await
 }
 
+/// A peer that every test of a binary shares (the Docker host, the Kubernetes cluster):
+/// started on first use, stopped when the test binary exits.
+pub trait SharedPeer: Sync {
+    fn stop(&self);
+}
+
+static AT_EXIT: std::sync::Mutex<Vec<&'static dyn SharedPeer>> = std::sync::Mutex::new(Vec::new());
+
+/// A [`SharedPeer`] in a static, started by the first test that needs it.
+pub struct Shared<T> {
+    cell: std::sync::OnceLock<T>,
+}
+
+impl<T: SharedPeer + Send + 'static> Default for Shared<T> {
+    fn default() -> Self {
+        Shared::new()
+    }
+}
+
+impl<T: SharedPeer + Send + 'static> Shared<T> {
+    pub const fn new() -> Self {
+        Shared { cell: std::sync::OnceLock::new() }
+    }
+
+    /// The peer, started with `start` on first use and stopped when the binary exits.
+    pub fn get_or_start(&'static self, start: impl FnOnce() -> T) -> &'static T {
+        self.cell.get_or_init(|| {
+            let peer = start();
+            stop_at_exit(self);
+            peer
+        })
+    }
+}
+
+impl<T: SharedPeer + Send> SharedPeer for Shared<T> {
+    fn stop(&self) {
+        if let Some(peer) = self.cell.get() {
+            peer.stop();
+        }
+    }
+}
+
+/// Stops `peer` when the test binary exits (peers stop in the reverse order they started).
+pub fn stop_at_exit(peer: &'static dyn SharedPeer) {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    // SAFETY: `stop_all` is an `extern "C" fn()` with no arguments that only takes the
+    // registered peers out of a static; registering it has no other effect.
+    REGISTERED.call_once(|| unsafe {
+        libc::atexit(stop_all);
+    });
+    AT_EXIT.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(peer);
+}
+
+extern "C" fn stop_all() {
+    let peers = std::mem::take(&mut *AT_EXIT.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    for peer in peers.into_iter().rev() {
+        peer.stop();
+    }
+}
+
+/// Runs `program` to its end (no stdin); panics if it cannot start.
+pub fn run(program: &str, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(program).args(args).stdin(std::process::Stdio::null()).output().unwrap_or_else(|e| panic!("{program} cannot run: {e}"))
+}
+
 /// Logs of the controller's components (RUST_LOG, default info) to the test's output.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
