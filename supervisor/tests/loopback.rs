@@ -30,6 +30,7 @@ use proto::runner::v1::{
     DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, LogRow, RegisterRequest, RegisterResponse, Result as TaskResult, Task, TaskState,
     UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
 };
+use std::sync::atomic::AtomicBool;
 use supervisor::{
     agent::{
         loopback::{self, LocalRunner, Served, Upstream},
@@ -37,6 +38,7 @@ use supervisor::{
     },
     cli::RunnerHooks,
 };
+
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -123,10 +125,14 @@ struct Loopback {
 }
 
 async fn loopback(task: Task, hooks: RunnerHooks, gitea: Option<&str>, steps_may_run: bool) -> Loopback {
+    loopback_stopping(task, hooks, gitea, steps_may_run, Arc::default()).await
+}
+
+async fn loopback_stopping(task: Task, hooks: RunnerHooks, gitea: Option<&str>, steps_may_run: bool, stopping: Arc<AtomicBool>) -> Loopback {
     let runner = LocalRunner::new("gitea-task-7", vec!["disposable".into(), "container".into(), "docker".into()]).unwrap();
     let upstream = Arc::new(Recording::default());
     let (ready, steps) = watch::channel(steps_may_run);
-    let served = Served { runner: runner.clone(), task, upstream: Arc::clone(&upstream) as Arc<dyn Upstream>, hooks, steps_may_run: steps };
+    let served = Served { runner: runner.clone(), task, upstream: Arc::clone(&upstream) as Arc<dyn Upstream>, hooks, steps_may_run: steps, stopping };
     let shutdown = CancellationToken::new();
     let (address, _server) = loopback::start(loopback::router(served), proxy::fallback(gitea).unwrap(), shutdown.clone()).await.unwrap();
     assert!(address.ip().is_loopback());
@@ -197,6 +203,41 @@ async fn the_task_is_served_until_the_runner_reports_and_reports_reach_the_facad
     assert_eq!((error.code, error.message.as_str()), (Code::Unauthenticated, "unregistered runner"));
     let error = client.unary::<_, RegisterResponse>(&format!("{S}Register"), &RegisterRequest::default(), &call).await.unwrap_err();
     assert_eq!(error.code, Code::PermissionDenied);
+    lb.shutdown.cancel();
+}
+
+/// A runner told to stop mid-job (the environment got SIGTERM: a Pod deleted, a node
+/// drained, a container stopped) reports an end of its own — gitea-runner v3.3.0 says
+/// `success` for the job its shutdown cancelled. Once stopping, the loopback passes its
+/// rows and steps on but neither its result nor the log's end: the controller writes the
+/// reason and the failure once the environment has ended. Before, both pass unchanged.
+#[tokio::test]
+async fn a_stopping_runners_own_end_is_not_passed_on() {
+    let stopping = Arc::new(AtomicBool::new(false));
+    let lb = loopback_stopping(task(), RunnerHooks::JobStarted, None, true, Arc::clone(&stopping)).await;
+    let client = runner_client(&lb.address, &lb.runner.assignment_id, &lb.runner.token);
+    let call = CallOptions::default();
+    declare(&client, "v3.3.0").await;
+    let ended = |index: i64| UpdateLogRequest { task_id: 7, index, rows: vec![LogRow { time: None, content: format!("row {index}") }], no_more: true };
+    let success = UpdateTaskRequest {
+        state: Some(TaskState { id: 7, result: TaskResult::Success as i32, stopped_at: Some(Default::default()), ..Default::default() }),
+        outputs: Default::default(),
+    };
+    let _: UpdateLogResponse = client.unary(&format!("{S}UpdateLog"), &ended(0), &call).await.unwrap().message;
+    let _: UpdateTaskResponse = client.unary(&format!("{S}UpdateTask"), &success, &call).await.unwrap().message;
+    assert!(lb.upstream.logs.lock().unwrap()[0].no_more, "before a stop, the log's end passes");
+    assert_eq!(lb.upstream.tasks.lock().unwrap()[0].state.as_ref().unwrap().result, TaskResult::Success as i32);
+
+    stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+    let ack: UpdateLogResponse = client.unary(&format!("{S}UpdateLog"), &ended(1), &call).await.unwrap().message;
+    assert_eq!(ack.ack_index, 2, "the rows still reach the facade");
+    let _: UpdateTaskResponse = client.unary(&format!("{S}UpdateTask"), &success, &call).await.unwrap().message;
+    let logs = lb.upstream.logs.lock().unwrap().clone();
+    assert!(!logs[1].no_more, "the log stays open for the controller's reason");
+    assert_eq!(logs[1].rows[0].content, "row 1");
+    let tasks = lb.upstream.tasks.lock().unwrap().clone();
+    let state = tasks[1].state.as_ref().unwrap();
+    assert_eq!((state.id, state.result, state.stopped_at.is_some()), (7, TaskResult::Unspecified as i32, false), "the runner's own end passed on");
     lb.shutdown.cancel();
 }
 

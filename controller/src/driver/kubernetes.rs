@@ -452,6 +452,21 @@ pub fn environment_of(pod: &Pod) -> Environment {
 }
 
 fn phase_of(pod: &Pod) -> (Phase, String) {
+    let (phase, mut detail) = phase_without_deletion(pod);
+    // A Pod being deleted still runs its job until the supervisor has drained: the runner
+    // reports its own end through the facade meanwhile. Failing the task at the same
+    // moment would race that report (two final log uploads at once crash Gitea 1.23's
+    // log transfer), so the Pod counts as running until its container has ended.
+    if phase == Phase::Exited && pod.metadata.deletion_timestamp.is_some() {
+        detail.push_str(DELETED);
+    }
+    (phase, detail)
+}
+
+/// What the end of a Pod that was deleted by someone adds to its reason.
+const DELETED: &str = " after the Pod was deleted (through the Kubernetes API, or its node is drained)";
+
+fn phase_without_deletion(pod: &Pod) -> (Phase, String) {
     let status = pod.status.clone().unwrap_or_default();
     let container = status.container_statuses.as_deref().unwrap_or_default().iter().find(|c| c.name == CONTAINER).cloned();
     let pod_reason = || {
@@ -488,9 +503,6 @@ fn phase_of(pod: &Pod) -> (Phase, String) {
             }
             if let Some(terminated) = container.as_ref().and_then(terminated_detail) {
                 return (Phase::Exited, terminated);
-            }
-            if pod.metadata.deletion_timestamp.is_some() {
-                return (Phase::Exited, "the Pod is being deleted (through the Kubernetes API, or its node is drained)".into());
             }
             (Phase::Running, String::new())
         }
@@ -581,7 +593,7 @@ impl Driver for KubernetesDriver {
                             }
                             if environment.phase == Phase::Running {
                                 environment.phase = Phase::Exited;
-                                environment.detail = "the Pod was deleted (through the Kubernetes API, or its node is drained)".into();
+                                environment.detail = format!("the job container did not report its end{DELETED}");
                             }
                             Some(environment)
                         }
@@ -662,9 +674,19 @@ mod tests {
             assert_eq!(environment.phase, phase, "{pod:?}");
             assert!(environment.detail.contains(detail), "{:?} should contain {detail:?}", environment.detail);
         }
+        // Being deleted, still draining: running until the container has ended.
+        let deleted = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()));
         let mut deleting = pod("Running", None, None);
-        deleting.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()));
-        assert_eq!(phase_of(&deleting).0, Phase::Exited);
+        deleting.metadata.deletion_timestamp = deleted.clone();
+        assert_eq!(phase_of(&deleting), (Phase::Running, String::new()));
+        let mut ended = pod("Running", None, Some(terminated(143, "Error")));
+        ended.metadata.deletion_timestamp = deleted;
+        let (phase, detail) = phase_of(&ended);
+        assert_eq!(phase, Phase::Exited);
+        assert!(
+            detail.contains("exited with code 143") && detail.ends_with("after the Pod was deleted (through the Kubernetes API, or its node is drained)"),
+            "{detail}"
+        );
     }
 
     /// The Pod a driver makes, field by field (the real cluster accepts it: see

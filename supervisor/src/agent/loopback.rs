@@ -147,6 +147,9 @@ pub struct Served {
     pub hooks: RunnerHooks,
     /// True once the job's steps may run (dockerd ready, or no dockerd).
     pub steps_may_run: watch::Receiver<bool>,
+    /// Set once the environment was told to stop (SIGTERM or SIGINT passed on to the
+    /// runner) while the job ran.
+    pub stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn lock(progress: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
@@ -250,8 +253,22 @@ pub fn router(served: Served) -> Router {
                 if request.message.state.as_ref().is_some_and(|s| s.id == served.task.id) {
                     lock(&progress).reported = true;
                 }
+                let mut message = request.message;
+                // A runner told to stop mid-job reports an end of its own (gitea-runner
+                // v3.3.0 reports `success` for a job its shutdown cancelled). That end is
+                // not the job's: keep the steps' progress, leave the result to the
+                // controller, which fails the task with the reason once the environment
+                // has ended — one writer of the end, so nothing races it.
+                if served.stopping.load(std::sync::atomic::Ordering::SeqCst)
+                    && let Some(state) = message.state.as_mut()
+                    && state.result != proto::runner::v1::Result::Unspecified as i32
+                {
+                    tracing::warn!(task_id = state.id, result = state.result, "the environment is stopping: the runner's own end of the job is not passed on");
+                    state.result = proto::runner::v1::Result::Unspecified as i32;
+                    state.stopped_at = None;
+                }
                 let mut last = None;
-                for piece in proto::pieces::task_pieces(&request.message, MAX_PIECE_BYTES) {
+                for piece in proto::pieces::task_pieces(&message, MAX_PIECE_BYTES) {
                     last = Some(served.upstream.update_task(piece).await?);
                 }
                 last.map(Response::new).ok_or_else(|| ConnectError::internal("nothing was sent"))
@@ -266,6 +283,10 @@ pub fn router(served: Served) -> Router {
                 }
                 let mut message = request.message;
                 cut_long_rows(&mut message);
+                // Stopping: the log stays open for the controller's reason (see UpdateTask).
+                if served.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                    message.no_more = false;
+                }
                 let mut last = UpdateLogResponse { ack_index: message.index };
                 for piece in proto::pieces::log_pieces(&message, MAX_PIECE_BYTES) {
                     let expected = piece.index + i64::try_from(piece.rows.len()).unwrap_or(i64::MAX);

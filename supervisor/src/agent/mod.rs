@@ -197,7 +197,7 @@ async fn run(config: AgentConfig) -> u8 {
             }
         }
         match &config.facade {
-            None => run_job(&config, None, &mut signals).await,
+            None => run_job(&config, None, &mut signals, None).await,
             Some(facade) => {
                 use tracing::Instrument as _;
                 let span = tracing::info_span!("assignment", assignment.id = %facade.assignment_id);
@@ -286,8 +286,15 @@ async fn serve_the_runner(
             let _ = steps_may_run.send(true);
         })
     };
-    let served =
-        loopback::Served { runner: runner.clone(), task, upstream: std::sync::Arc::new(client.clone()), hooks: facade.hooks, steps_may_run: steps_receiver };
+    let stopping = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let served = loopback::Served {
+        runner: runner.clone(),
+        task,
+        upstream: std::sync::Arc::new(client.clone()),
+        hooks: facade.hooks,
+        steps_may_run: steps_receiver,
+        stopping: std::sync::Arc::clone(&stopping),
+    };
     let (address, server) = match loopback::start(loopback::router(served), fallback, shutdown.clone()).await {
         Ok(started) => started,
         Err(error) => {
@@ -323,7 +330,7 @@ async fn serve_the_runner(
             }
         })
     };
-    let code = run_job(config, Some(&facade.runner_dir), signals).await;
+    let code = run_job(config, Some(&facade.runner_dir), signals, Some(&stopping)).await;
     hook_reporter.abort();
     client.report(Phase::RunnerExited, "", i32::from(code)).await;
     docker_reporter.abort();
@@ -351,7 +358,9 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     file.write_all(bytes)
 }
 
-async fn run_job(config: &AgentConfig, cwd: Option<&Path>, signals: &mut Signals) -> u8 {
+/// Runs the job command, passing signals on; `stopping` is set when a terminating
+/// signal is passed on.
+async fn run_job(config: &AgentConfig, cwd: Option<&Path>, signals: &mut Signals, stopping: Option<&std::sync::atomic::AtomicBool>) -> u8 {
     let Some((program, args)) = config.command.split_first() else {
         return exit::USAGE;
     };
@@ -395,6 +404,11 @@ async fn run_job(config: &AgentConfig, cwd: Option<&Path>, signals: &mut Signals
                 };
             }
             Some(signal) = signals.recv() => {
+                if let Some(stopping) = stopping
+                    && matches!(signal, Signal::SIGTERM | Signal::SIGINT)
+                {
+                    stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
                 if let Some(pid) = pid {
                     tracing::debug!(%signal, %pid, "forwarding signal to the job");
                     let _ = nix::sys::signal::kill(pid, signal);
