@@ -301,11 +301,20 @@ impl Config {
         if self.pools.iter().any(|p| p.placement == Placement::VM_OPENSANDBOX) && self.opensandbox.is_none() {
             return invalid("opensandbox", "pool vm.opensandbox needs an [opensandbox] section with url, api_key_file and image".into());
         }
-        if self.opensandbox.as_ref().is_some_and(|o| o.spire.is_some()) && self.facade.environment_spiffe_endpoint_socket.is_none() {
-            return invalid(
-                "opensandbox.spire",
-                "sandboxes get SPIRE entries only when they wait for an SVID: set facade.environment_spiffe_endpoint_socket (the agent's socket inside sandboxes)".into(),
-            );
+        // Environments wait for an SVID only when they are told where the agent is.
+        let spire_sections = [
+            ("opensandbox.spire", "sandboxes", self.opensandbox.as_ref().is_some_and(|o| o.spire.is_some())),
+            ("kubernetes.spire", "Pods", self.kubernetes.as_ref().is_some_and(|k| k.spire.is_some())),
+        ];
+        for (section, environments, configured) in spire_sections {
+            if configured && self.facade.environment_spiffe_endpoint_socket.is_none() {
+                return invalid(
+                    section,
+                    format!(
+                        "{environments} get SPIRE entries only when they wait for an SVID: set facade.environment_spiffe_endpoint_socket (the agent's socket inside {environments})"
+                    ),
+                );
+            }
         }
         if let Some(opensandbox) = &self.opensandbox
             && let Err((setting, message)) = opensandbox.validate()
@@ -314,12 +323,6 @@ impl Config {
         }
         if self.pools.iter().any(|p| p.placement == Placement::CONTAINER_KUBERNETES) && self.kubernetes.is_none() {
             return invalid("kubernetes", "pool container.kubernetes needs a [kubernetes] section with namespace and image".into());
-        }
-        if self.kubernetes.as_ref().is_some_and(|k| k.spire.is_some()) && self.facade.environment_spiffe_endpoint_socket.is_none() {
-            return invalid(
-                "kubernetes.spire",
-                "Pods get SPIRE entries only when they wait for an SVID: set facade.environment_spiffe_endpoint_socket (the agent's socket inside Pods)".into(),
-            );
         }
         if let Some(kubernetes) = &self.kubernetes
             && let Err((setting, message)) = kubernetes.validate()

@@ -138,13 +138,13 @@ impl Cluster {
 
     /// `kubectl` as cluster-admin.
     pub fn kubectl(&self, args: &[&str]) -> Output {
-        Command::new(self.top.join("bin/kubectl"))
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("kubectl cannot run")
+        self.kubectl_command(args).stdin(Stdio::null()).output().expect("kubectl cannot run")
+    }
+
+    fn kubectl_command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(self.top.join("bin/kubectl"));
+        command.arg("--kubeconfig").arg(&self.kubeconfig).args(args);
+        command
     }
 
     /// `kubectl` that must succeed; its stdout.
@@ -157,16 +157,8 @@ impl Cluster {
     /// `kubectl apply -f -` of `yaml`; its output.
     pub fn apply(&self, yaml: &str, extra: &[&str]) -> Output {
         use std::io::Write as _;
-        let mut child = Command::new(self.top.join("bin/kubectl"))
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .args(["apply", "-f", "-"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child =
+            self.kubectl_command(&["apply", "-f", "-"]).args(extra).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         child.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
         child.wait_with_output().unwrap()
     }

@@ -63,6 +63,16 @@ async fn pods_gone(namespace: &str, controller: &Controller) {
     wait_until("every Pod is deleted", Duration::from_secs(90), || cluster().pods(namespace, &label).is_empty()).await;
 }
 
+/// Every Pod gone, every record terminal, the controller still running, then stopped,
+/// and the namespace removed.
+async fn finish(namespace: &str, mut controller: Controller) {
+    pods_gone(namespace, &controller).await;
+    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
+    controller.assert_running();
+    controller.stop().await;
+    tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", namespace, "--wait=false"]));
+}
+
 const MATRIX: &str = r#"name: pods
 on: push
 jobs:
@@ -98,7 +108,7 @@ struct Seen {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_run_in_pods_never_more_than_capacity() {
     let Setup { gitea, repo, namespace, options, _turn } = setup("pods", 2).await;
-    let mut controller = Controller::start(options).await;
+    let controller = Controller::start(options).await;
     let label = controller.environment_label();
     let committed = Instant::now();
     gitea.commit_workflow(&repo, "pods.yml", MATRIX).await;
@@ -191,11 +201,7 @@ async fn jobs_run_in_pods_never_more_than_capacity() {
     for pod in seen.values() {
         assert!(!pod.spec.as_ref().unwrap().to_string().contains(token), "the runner token is in a Pod");
     }
-    pods_gone(&namespace, &controller).await;
-    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
-    controller.assert_running();
-    controller.stop().await;
-    tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
+    finish(&namespace, controller).await;
 }
 
 const SLEEPER: &str = r#"name: sleeper
@@ -225,7 +231,7 @@ fn last_line(log: &str) -> &str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_deleted_mid_job_fails_the_task_with_the_reason() {
     let Setup { gitea, repo, namespace, options, _turn } = setup("deleted-pod", 2).await;
-    let mut controller = Controller::start(options).await;
+    let controller = Controller::start(options).await;
     let run = start_sleeper(&gitea, &repo, 300).await;
     let pods = pods_of(&namespace, &controller);
     assert_eq!(pods.len(), 1, "{pods:?}");
@@ -239,10 +245,7 @@ async fn a_pod_deleted_mid_job_fails_the_task_with_the_reason() {
     assert!(!log.lines().any(|l| l.trim() == "slept well"), "{log}");
     let last = last_line(&log);
     assert!(last.contains("gitea-dynamic-runner:") && last.contains("deleted"), "last line: {last:?}\n{log}");
-    pods_gone(&namespace, &controller).await;
-    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
-    controller.stop().await;
-    tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
+    finish(&namespace, controller).await;
 }
 
 const ECHO: &str = r#"name: echo
@@ -260,7 +263,7 @@ jobs:
 async fn a_pod_that_cannot_start_fails_the_task_with_the_kubelets_reason() {
     let Setup { gitea, repo, namespace, mut options, _turn } = setup("missing-image", 2).await;
     options.image = "gdr-e2e/no-such-image:missing".into();
-    let mut controller = Controller::start(options).await;
+    let controller = Controller::start(options).await;
     let committed = Instant::now();
     gitea.commit_workflow(&repo, "echo.yml", ECHO).await;
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(120), |t| all_done(t, 1)).await;
@@ -270,10 +273,7 @@ async fn a_pod_that_cannot_start_fails_the_task_with_the_kubelets_reason() {
     let last = last_line(&log);
     assert!(last.contains("gitea-dynamic-runner:") && last.contains("ErrImageNeverPull"), "last line: {last:?}\n{log}");
     assert!(!log.lines().any(|l| l.trim() == "never runs"), "{log}");
-    pods_gone(&namespace, &controller).await;
-    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
-    controller.stop().await;
-    tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
+    finish(&namespace, controller).await;
 }
 
 /// The controller stops mid-job and a new one starts with the same state: it finds the
@@ -291,7 +291,7 @@ async fn a_controller_restarted_mid_job_adopts_its_pod_and_the_job_finishes() {
     // Its store (one redb file) must be closed before the next controller opens it.
     drop(controller);
     let stopped_at = Instant::now();
-    let mut controller = Controller::start(options).await;
+    let controller = Controller::start(options).await;
     eprintln!("controller restarted after {:?}", stopped_at.elapsed());
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| all_done(t, 1)).await;
     let log = strip_log_timestamps(&gitea.job_log(&repo, run, 0).await);
@@ -300,10 +300,7 @@ async fn a_controller_restarted_mid_job_adopts_its_pod_and_the_job_finishes() {
     let records = controller.records().await;
     assert_eq!(records.len(), 1, "{records:?}");
     assert_eq!(records[0].environment.as_deref(), Some(before[0].as_str()), "a second Pod was made: {records:?}");
-    pods_gone(&namespace, &controller).await;
-    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
-    controller.stop().await;
-    tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
+    finish(&namespace, controller).await;
 }
 
 /// The shipped manifests on the real cluster: `rbac.yaml` applies, `controller.yaml`
@@ -466,7 +463,7 @@ async fn a_pod_claims_its_job_over_mtls_with_the_svid_of_its_own_entry() {
     if let Some(pods) = options.kubernetes.as_mut() {
         pods.spire = Some(PodSpire { server_socket: spire.socket(), agent_socket: agent.socket(), controller_id: CONTROLLER.into(), parent_id: AGENT.into() });
     }
-    let mut controller = Controller::start(options).await;
+    let controller = Controller::start(options).await;
 
     gitea.commit_workflow(&repo, "identified.yml", IDENTIFIED).await;
     let job_id = format!("spiffe://e2e.test/ci/{}/{}/build", repo.owner, repo.name);
@@ -487,9 +484,5 @@ async fn a_pod_claims_its_job_over_mtls_with_the_svid_of_its_own_entry() {
     assert!(log.contains(&format!("identity: ready ({job_id})")), "the supervisor did not wait for its SVID:\n{log}");
     assert!(log.contains("claimed over mTLS from a Pod"), "{log}");
     wait_until("the entry is removed with the Pod", Duration::from_secs(90), || !spire.entries().iter().any(|e| path(e) == job_id)).await;
-    pods_gone(&namespace, &controller).await;
-    controller.wait_until_all_terminal(Duration::from_secs(30)).await;
-    controller.assert_running();
-    controller.stop().await;
-    tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
+    finish(&namespace, controller).await;
 }
