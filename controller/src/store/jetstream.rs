@@ -147,6 +147,28 @@ fn is_transient(error: &StoreError) -> bool {
     ["timed out", "temporarily unavailable", "no responders"].iter().any(|needle| text.contains(needle))
 }
 
+/// Waits until the replicated stream `name` has elected a leader. A stream created with
+/// replicas answers its creation before that: a write in the next moment gets "no
+/// responders" (seen on a real three-node cluster), and the store is not usable yet.
+async fn await_leader(context: &jetstream::Context, name: &str, deadline: std::time::Instant) -> Result<(), StoreError> {
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let last = match context.get_stream(name).await {
+            Ok(stream) if stream.cached_info().cluster.as_ref().is_some_and(|cluster| cluster.leader.is_some()) => return Ok(()),
+            Ok(_) => "no leader yet".to_owned(),
+            Err(error) => crate::error_chain(&error),
+        };
+        if std::time::Instant::now() + pause >= deadline {
+            return Err(StoreError::Unavailable {
+                context: format!("waiting for stream {name} to elect a leader ({last}); check that a majority of the NATS cluster's nodes run"),
+                source: "no leader".into(),
+            });
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
 impl JetStream {
     /// Connects and creates (or updates) the stream and the KV bucket.
     ///
@@ -194,6 +216,11 @@ impl JetStream {
                 Err(error) => return Err(error),
             }
         };
+        if replicas > 1 {
+            for name in [stream_name.clone(), format!("KV_{bucket}"), format!("KV_{bucket}-leases")] {
+                await_leader(&context, &name, deadline).await?;
+            }
+        }
         Ok(Self { context, stream, kv, leases, base: base_subject.to_owned(), stream_name, bucket: bucket.to_owned(), ack_wait })
     }
 

@@ -123,12 +123,19 @@ impl NatsServer {
 
 /// A minimal HTTP/1.0 GET: the status code, or `None` if the server did not answer.
 fn http_status(host: &str, path: &str) -> Option<u16> {
+    http_get(host, path).map(|(status, _)| status)
+}
+
+/// A plain HTTP/1.0 GET of a monitoring endpoint: status and body.
+fn http_get(host: &str, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect(host).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
-    response.split_whitespace().nth(1)?.parse().ok()
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default();
+    Some((status, body))
 }
 
 impl Drop for NatsServer {
@@ -159,6 +166,14 @@ struct ClusterNode {
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+/// The names of the nodes that `host`'s `/routez` lists (a route pool has several
+/// connections per peer).
+fn routed_peers(host: &str) -> std::collections::BTreeSet<String> {
+    let Some((200, body)) = http_get(host, "/routez") else { return Default::default() };
+    let routez: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    routez["routes"].as_array().into_iter().flatten().filter_map(|route| route["remote_name"].as_str().map(str::to_owned)).collect()
 }
 
 impl NatsCluster {
@@ -202,6 +217,7 @@ impl NatsCluster {
         for i in 0..size {
             cluster.wait_healthy(i);
         }
+        cluster.wait_meshed();
         cluster
     }
 
@@ -249,6 +265,32 @@ impl NatsCluster {
         }
         for i in 0..self.nodes.len() {
             self.wait_healthy(i);
+        }
+        self.wait_meshed();
+    }
+
+    /// Waits until every node has a route to every other. `/healthz` is satisfied once
+    /// JetStream's meta group has a leader, and a node may still lack the route to the node
+    /// that leads a stream: a client connected to it then gets "no responders" for that
+    /// stream's subjects (one CI run in a dozen, on the first write to a fresh cluster).
+    pub fn wait_meshed(&self) {
+        let started = Instant::now();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let host = format!("127.0.0.1:{}", node.monitoring);
+            loop {
+                let peers = routed_peers(&host);
+                if peers.len() + 1 >= self.nodes.len() {
+                    break;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "{} has routes to {peers:?} only after 60 s, not to all {} other nodes:\n{}",
+                    node.name,
+                    self.nodes.len() - 1,
+                    self.log(i)
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 
