@@ -9,7 +9,8 @@
 //!   free, collect images above 85 % used) would taint the node and delete the runner
 //!   image, which no registry can bring back;
 //! - the Pods' bridge gets the host address [`Cluster::HOST_IP`]: Pods have no route
-//!   off their subnet, and reach Gitea and the facade there;
+//!   off their subnet, and reach Gitea and the facade there; and a fixed MAC, so that a
+//!   Pod ending does not change the gateway's MAC under the others;
 //! - images are imported into the node's containerd (no registry is reachable).
 
 use std::{
@@ -57,6 +58,8 @@ impl Cluster {
     /// Pods reach the host at this address on their bridge.
     pub const HOST_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 1);
     const BRIDGE: &str = "k8speer0";
+    /// Locally administered, fixed: see `give_the_bridge_the_host_address`.
+    const BRIDGE_MAC: &str = "02:00:0a:f4:00:01";
 
     fn start() -> Cluster {
         let scripts = scripts();
@@ -108,6 +111,13 @@ impl Cluster {
             let output = run("ip", &["link", "add", Self::BRIDGE, "type", "bridge"]);
             assert!(output.status.success(), "ip link add: {}", String::from_utf8_lossy(&output.stderr));
         }
+        // A bridge takes the lowest MAC of its ports unless it has one of its own: when the
+        // Pod with that port ended, the gateway's MAC changed under the Pods still running,
+        // whose ARP caches kept the old one, and their next connection to the host stalled
+        // for ~35 s (until the stale entry was probed out). Seen as a job whose `curl` of
+        // Gitea took 36 s in one run of three.
+        let output = run("ip", &["link", "set", "dev", Self::BRIDGE, "address", Self::BRIDGE_MAC]);
+        assert!(output.status.success(), "ip link set address: {}", String::from_utf8_lossy(&output.stderr));
         let address = format!("{}/24", Self::HOST_IP);
         let shown = run("ip", &["-4", "addr", "show", "dev", Self::BRIDGE]);
         if !String::from_utf8_lossy(&shown.stdout).contains(&address) {

@@ -159,11 +159,19 @@ async fn jobs_run_in_pods_never_more_than_capacity() {
         })
     };
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(300), |t| all_done(t, 3)).await;
-    eprintln!("commit → three jobs finished in Pods: {:?}", committed.elapsed());
+    let took = committed.elapsed();
+    eprintln!("commit → three jobs finished in Pods: {took:?}");
     let run = tasks[0].run_number;
     for index in 0..3 {
-        let log = strip_log_timestamps(&gitea.job_log(&repo, run, index).await);
+        let raw = gitea.job_log(&repo, run, index).await;
+        if took > Duration::from_secs(30) {
+            eprintln!("job {index} ({:?}), log with timestamps:\n{raw}", tasks[index]);
+        }
+        let log = strip_log_timestamps(&raw);
         assert_eq!(tasks[index].status, "success", "{tasks:?}\n{log}");
+        if let Some(ready) = log.lines().find(|line| line.contains("supervisor: environment ready")) {
+            eprintln!("job {index}: {ready}");
+        }
         for expected in ["in a Pod", "pid1=supervisor", "docker=overlay2 cgroupfs", r#""version":"1.23.8""#, "no token mounted"] {
             assert!(log.contains(expected), "{expected:?} missing from the job log:\n{log}");
         }
@@ -174,7 +182,7 @@ async fn jobs_run_in_pods_never_more_than_capacity() {
     assert_eq!(seen.len(), 3, "one Pod per job: {:?}", seen.keys());
     for (name, pod) in &seen {
         if let (Some(first), Some(running)) = (pod.first, pod.running) {
-            eprintln!("{name}: seen → Running {:?}", running - first);
+            eprintln!("{name}: seen {:?} after the commit, Running {:?} later", first - committed, running - first);
         }
         let pod = pod.spec.as_ref().unwrap();
         let spec = &pod["spec"];
