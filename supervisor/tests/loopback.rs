@@ -38,7 +38,6 @@ use supervisor::{
     },
     cli::RunnerHooks,
 };
-
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
