@@ -15,7 +15,7 @@ use std::time::Duration;
 use async_nats::jetstream::{
     self, AckKind,
     consumer::{self, AckPolicy, PullConsumer},
-    context::ConsumerInfoErrorKind,
+    context::{ConsumerInfoErrorKind, PublishError, PublishErrorKind},
     kv::{self, CreateErrorKind, UpdateErrorKind},
     message::PublishMessage,
     stream::{self, LastRawMessageErrorKind, RetentionPolicy, StorageType},
@@ -144,29 +144,22 @@ async fn set_up(
 /// wraps its stream's), so the cause is recognised by its text.
 fn is_transient(error: &StoreError) -> bool {
     let text = crate::error_chain(error);
-    ["timed out", "temporarily unavailable", "no responders"].iter().any(|needle| text.contains(needle))
+    // "peer offline": a replicated stream cannot be placed while the cluster counts a node
+    // as offline (seen on a loaded three-node cluster right after it formed).
+    ["timed out", "temporarily unavailable", "no responders", "peer offline"].iter().any(|needle| text.contains(needle))
 }
 
-/// Waits until the replicated stream `name` has elected a leader. A stream created with
-/// replicas answers its creation before that: a write in the next moment gets "no
-/// responders" (seen on a real three-node cluster), and the store is not usable yet.
-async fn await_leader(context: &jetstream::Context, name: &str, deadline: std::time::Instant) -> Result<(), StoreError> {
-    let mut pause = Duration::from_millis(50);
-    loop {
-        let last = match context.get_stream(name).await {
-            Ok(stream) if stream.cached_info().cluster.as_ref().is_some_and(|cluster| cluster.leader.is_some()) => return Ok(()),
-            Ok(_) => "no leader yet".to_owned(),
-            Err(error) => crate::error_chain(&error),
-        };
-        if std::time::Instant::now() + pause >= deadline {
-            return Err(StoreError::Unavailable {
-                context: format!("waiting for stream {name} to elect a leader ({last}); check that a majority of the NATS cluster's nodes run"),
-                source: "no leader".into(),
-            });
+/// The first of `names` whose replicated stream has not elected a leader yet. A stream
+/// created with replicas answers its creation before that: a write in the next moment
+/// gets "no responders" (seen on a real three-node cluster), so the store is not usable.
+async fn without_leader(context: &jetstream::Context, names: &[String]) -> Option<String> {
+    for name in names {
+        let led = context.get_stream(name).await.is_ok_and(|stream| stream.cached_info().cluster.as_ref().is_some_and(|cluster| cluster.leader.is_some()));
+        if !led {
+            return Some(name.clone());
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(2));
     }
+    None
 }
 
 impl JetStream {
@@ -200,27 +193,37 @@ impl JetStream {
         let context = jetstream::new(client);
 
         let stream_name = stream_name(base_subject);
-        // A cluster that is electing leaders (a node just restarted) times out JetStream
-        // requests for a few seconds: keep trying for a while instead of exiting, and fail
+        // A cluster that is electing leaders (a node just restarted, or the streams were
+        // just created) times out JetStream requests or has replicated streams without a
+        // leader for a few seconds: keep trying for a while instead of exiting, and fail
         // at once on anything else (a stream of that name with another configuration…).
+        let replicated = if replicas > 1 { vec![stream_name.clone(), format!("KV_{bucket}"), format!("KV_{bucket}-leases")] } else { Vec::new() };
         let deadline = std::time::Instant::now() + SET_UP_PATIENCE;
         let mut pause = Duration::from_millis(250);
         let (stream, kv, leases) = loop {
-            match set_up(&context, &stream_name, base_subject, bucket, replicas).await {
-                Ok(handles) => break handles,
-                Err(error) if is_transient(&error) && std::time::Instant::now() + pause < deadline => {
-                    tracing::warn!(url, "JetStream is not answering yet (a cluster electing its leaders?); retrying: {}", crate::error_chain(&error));
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(4));
+            let (error, transient) = match set_up(&context, &stream_name, base_subject, bucket, replicas).await {
+                Ok(handles) => match without_leader(&context, &replicated).await {
+                    None => break handles,
+                    Some(name) => (
+                        StoreError::Unavailable {
+                            context: format!("waiting for stream {name} to elect a leader; check that a majority of the NATS cluster's nodes run"),
+                            source: "no leader yet".into(),
+                        },
+                        true,
+                    ),
+                },
+                Err(error) => {
+                    let transient = is_transient(&error);
+                    (error, transient)
                 }
-                Err(error) => return Err(error),
+            };
+            if !transient || std::time::Instant::now() + pause >= deadline {
+                return Err(error);
             }
+            tracing::warn!(url, "JetStream is not answering yet (a cluster electing its leaders?); retrying: {}", crate::error_chain(&error));
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(4));
         };
-        if replicas > 1 {
-            for name in [stream_name.clone(), format!("KV_{bucket}"), format!("KV_{bucket}-leases")] {
-                await_leader(&context, &name, deadline).await?;
-            }
-        }
         Ok(Self { context, stream, kv, leases, base: base_subject.to_owned(), stream_name, bucket: bucket.to_owned(), ack_wait })
     }
 
@@ -234,7 +237,12 @@ impl JetStream {
         let publish = PublishMessage::build().message_id(assignment_id).payload(Bytes::from(assignment_id.to_owned()));
         // The ack says the stream stored it (or that it was a duplicate of a stored
         // message within the window, which is just as good).
-        self.context.send_publish(subject.clone(), publish).await.map_err(unavailable(what()))?.await.map_err(unavailable(what()))?;
+        // async-nats reports a publish answered "no responders" as StreamNotFound; the
+        // stream exists (opening the store made it).
+        let unanswered = |error: &PublishError| error.kind() == PublishErrorKind::StreamNotFound;
+        retry_no_responders(|| async { self.context.send_publish(subject.clone(), publish.clone()).await?.await }, unanswered)
+            .await
+            .map_err(unavailable(what()))?;
         Ok(())
     }
 }
@@ -247,6 +255,30 @@ fn encode(record: &Record) -> Result<Bytes, StoreError> {
     serde_json::to_vec(record).map(Bytes::from).map_err(|e| StoreError::Corrupt { key: record.assignment_id.clone(), reason: format!("cannot encode: {e}") })
 }
 
+/// How often, and how far apart, a write answered "no responders" is tried again.
+const NO_RESPONDERS_RETRIES: u32 = 4;
+const NO_RESPONDERS_PAUSE: Duration = Duration::from_millis(250);
+
+/// Runs `write`, again while `unanswered` says nobody answered it ("no responders"). The
+/// server a client is connected to answers that for a stream's subjects until it has
+/// learnt of the stream's leader — for a moment after the stream was created or its
+/// leader changed, even when STREAM.INFO already names the leader (a fresh three-node
+/// cluster, one run in ten). The official Go client retries a JetStream publish on
+/// exactly this (nats.go: twice, 250 ms apart); async-nats does not, so the store does.
+async fn retry_no_responders<T, E, F, Fut>(mut write: F, unanswered: impl Fn(&E) -> bool) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    for _ in 0..NO_RESPONDERS_RETRIES {
+        match write().await {
+            Err(error) if unanswered(&error) => tokio::time::sleep(NO_RESPONDERS_PAUSE).await,
+            done => return done,
+        }
+    }
+    write().await
+}
+
 #[async_trait]
 impl Store for JetStream {
     /// `kv.create` then publish. Two writes, so a crash can fall between them; a repeated
@@ -255,7 +287,9 @@ impl Store for JetStream {
     /// record that already moved on from Pending is not enqueued again.
     async fn persist(&self, record: &Record) -> Result<bool, StoreError> {
         let id = &record.assignment_id;
-        let created = match self.kv.create(id, encode(record)?).await {
+        let value = encode(record)?;
+        let unanswered = |error: &kv::CreateError| crate::error_chain(error).contains("no responders");
+        let created = match retry_no_responders(|| self.kv.create(id, value.clone()), unanswered).await {
             Ok(_) => true,
             Err(e) if e.kind() == CreateErrorKind::AlreadyExists => false,
             Err(e) => return Err(unavailable(format!("creating record {id} in bucket {}", self.bucket))(e)),
@@ -506,5 +540,21 @@ mod tests {
     fn names() {
         assert_eq!(stream_name("ci.assignments"), "CI_ASSIGNMENTS");
         assert_eq!(consumer_name("container.docker"), "worker-container-docker");
+    }
+
+    /// The texts the real nats-server answered while a cluster was forming or electing.
+    #[test]
+    fn transient_errors() {
+        for (text, transient) in [
+            ("jetstream request timed out", true),
+            ("JetStream system temporarily unavailable", true),
+            ("error response: 503, no responders", true),
+            ("no suitable peers for placement, peer offline", true),
+            ("stream name already in use with a different configuration", false),
+            ("insufficient resources", false),
+        ] {
+            let error = StoreError::Unavailable { context: "creating or updating KV bucket b".into(), source: text.into() };
+            assert_eq!(is_transient(&error), transient, "{text}");
+        }
     }
 }

@@ -164,8 +164,24 @@ struct ClusterNode {
     child: Option<Child>,
 }
 
+/// A port for a cluster node, picked before the node binds it: below the kernel's
+/// ephemeral range (32768–60999 by default), because a port the kernel handed out (bind to
+/// port 0) can be taken in the meantime as the source port of another node's outgoing
+/// route connection — a cluster started next to another one then had a node that never
+/// became healthy. Distinct within this process, so two clusters never pick the same one.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let offset = std::process::id().wrapping_mul(7_919);
+    loop {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(n < COUNT, "no free port left in {FIRST}..{}", FIRST + COUNT);
+        let port = u16::try_from(FIRST + offset.wrapping_add(n) % COUNT).expect("below 32000");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// The names of the nodes that `host`'s `/routez` lists (a route pool has several
@@ -273,7 +289,7 @@ impl NatsCluster {
     /// JetStream's meta group has a leader, and a node may still lack the route to the node
     /// that leads a stream: a client connected to it then gets "no responders" for that
     /// stream's subjects (one CI run in a dozen, on the first write to a fresh cluster).
-    pub fn wait_meshed(&self) {
+    fn wait_meshed(&self) {
         let started = Instant::now();
         for (i, node) in self.nodes.iter().enumerate() {
             let host = format!("127.0.0.1:{}", node.monitoring);
