@@ -89,12 +89,21 @@ pub fn default_tls() -> Result<rustls::ClientConfig, ClientError> {
         .with_no_client_auth())
 }
 
+/// How long establishing a connection may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 fn http_client_with<B>(tls: rustls::ClientConfig) -> HyperClient<HttpsConnector<HttpConnector>, B>
 where
     B: hyper::body::Body + Send,
     B::Data: Send,
 {
-    let connector = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1().build();
+    // A peer that never accepts must not hold a caller for the kernel's minutes of SYN
+    // retries: connecting is bounded; answers are bounded by each caller.
+    let mut http = HttpConnector::new();
+    http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1().wrap_connector(http);
     HyperClient::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).pool_max_idle_per_host(10).build(connector)
 }
 

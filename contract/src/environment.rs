@@ -17,6 +17,10 @@ use std::collections::BTreeMap;
 pub const ASSIGNMENT_ID: &str = "CI_ASSIGNMENT_ID";
 /// The assignment capability (HMAC token bound to the assignment id, with an expiry).
 pub const CAPABILITY: &str = "CI_RUNNER_CAPABILITY";
+/// A file holding the capability instead (the docker driver): PID 1 reads it and
+/// removes it before anything of the job runs, so the capability is in no container
+/// configuration (`docker inspect`) and no file a step could read.
+pub const CAPABILITY_FILE: &str = "CI_RUNNER_CAPABILITY_FILE";
 /// The controller's facade: `unix:///path` (socket mounted in) or `https://host:port`.
 pub const FACADE_URL: &str = "CI_RUNNER_FACADE_URL";
 /// The facade's exact SPIFFE ID (https facades only).
@@ -32,13 +36,15 @@ pub const RUNNER_LABELS_JSON: &str = "CI_RUNNER_LABELS_JSON";
 pub const GITEA_URL: &str = "CI_GITEA_URL";
 
 /// Every variable of the contract, in the order they are documented.
-pub const ALL: [&str; 8] = [ASSIGNMENT_ID, CAPABILITY, FACADE_URL, FACADE_SPIFFE_ID, SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET, RUNNER_LABELS_JSON, GITEA_URL];
+pub const ALL: [&str; 9] =
+    [ASSIGNMENT_ID, CAPABILITY, CAPABILITY_FILE, FACADE_URL, FACADE_SPIFFE_ID, SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET, RUNNER_LABELS_JSON, GITEA_URL];
 
 /// The contract's values; `None` is "unset" (an empty variable reads as `None`).
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Contract {
     pub assignment_id: Option<String>,
     pub capability: Option<String>,
+    pub capability_file: Option<String>,
     pub facade_url: Option<String>,
     pub facade_spiffe_id: Option<String>,
     pub spiffe_id: Option<String>,
@@ -54,6 +60,7 @@ impl std::fmt::Debug for Contract {
         f.debug_struct("Contract")
             .field("assignment_id", &self.assignment_id)
             .field("capability", &self.capability.as_ref().map(|_| "<redacted>"))
+            .field("capability_file", &self.capability_file)
             .field("facade_url", &self.facade_url)
             .field("facade_spiffe_id", &self.facade_spiffe_id)
             .field("spiffe_id", &self.spiffe_id)
@@ -70,10 +77,11 @@ impl Contract {
         serde_json::to_string(labels).unwrap_or_else(|_| "[]".to_owned())
     }
 
-    fn fields(&self) -> [(&'static str, &Option<String>); 8] {
+    fn fields(&self) -> [(&'static str, &Option<String>); 9] {
         [
             (ASSIGNMENT_ID, &self.assignment_id),
             (CAPABILITY, &self.capability),
+            (CAPABILITY_FILE, &self.capability_file),
             (FACADE_URL, &self.facade_url),
             (FACADE_SPIFFE_ID, &self.facade_spiffe_id),
             (SPIFFE_ID, &self.spiffe_id),
@@ -94,6 +102,7 @@ impl Contract {
         Contract {
             assignment_id: get(ASSIGNMENT_ID),
             capability: get(CAPABILITY),
+            capability_file: get(CAPABILITY_FILE),
             facade_url: get(FACADE_URL),
             facade_spiffe_id: get(FACADE_SPIFFE_ID),
             spiffe_id: get(SPIFFE_ID),

@@ -13,6 +13,22 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+/// Where the docker driver mounts an environment's own facade directory: the host's
+/// `<facade.environment_socket_dir>/<environment>`, holding the socket the controller
+/// serves for that environment alone (and, until PID 1 has read it, the capability file).
+/// A directory and not the socket file: a restarted controller binds a new socket (a new
+/// inode) that a mounted file would never show.
+pub const ENVIRONMENT_DIR: &str = "/run/gitea-dynamic-runner";
+/// The socket's name inside [`ENVIRONMENT_DIR`].
+pub const SOCKET_NAME: &str = "facade.sock";
+/// The capability file's name inside [`ENVIRONMENT_DIR`].
+pub const CAPABILITY_NAME: &str = "capability";
+
+/// `CI_RUNNER_FACADE_URL` of an environment with its own socket.
+pub fn environment_socket_url() -> String {
+    format!("unix://{ENVIRONMENT_DIR}/{SOCKET_NAME}")
+}
+
 /// A parsed facade URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FacadeUrl {

@@ -2,10 +2,12 @@
 //! - [`environment`]: the environment contract — the variables a driver sets for an
 //!   environment and the supervisor reads (names, meaning, "empty is unset");
 //! - [`facade`]: the forms of the facade's URL and which addresses plain HTTP may use;
-//! - [`units`]: how sizes and durations are written in settings, for both binaries.
+//! - [`units`]: how sizes and durations are written in settings, for both binaries;
+//! - [`backoff`]: the one retry pause of every loop.
 
 #![forbid(unsafe_code)]
 
+pub mod backoff;
 pub mod environment;
 pub mod facade;
 pub mod units;

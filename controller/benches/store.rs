@@ -17,7 +17,7 @@ use std::error::Error;
 use std::time::{Duration, Instant};
 
 use controller::assignment::Placement;
-use controller::store::{Record, State, Store, embedded::Embedded, jetstream::JetStream};
+use controller::store::{Record, Store, embedded::Embedded, jetstream::JetStream};
 use futures_util::StreamExt;
 
 const N: u64 = 1_000;
@@ -42,18 +42,7 @@ fn envelope(seed: u64) -> Vec<u8> {
 }
 
 fn record(n: u64, placement: Placement) -> Record {
-    Record {
-        assignment_id: format!("gitea-task-{n}"),
-        placement,
-        state: State::Pending,
-        envelope: envelope(n),
-        environment: None,
-        updated_at_ms: controller::store::now_ms(),
-        created_at_ms: controller::store::now_ms(),
-        runner: String::new(),
-        phase: None,
-        timeline: Vec::new(),
-    }
+    Record::pending(&format!("gitea-task-{n}"), placement, "", envelope(n), controller::store::now_ms())
 }
 
 fn ms(d: Duration) -> f64 {

@@ -101,11 +101,31 @@ async fn driver_for(placement: Placement, config: &Config) -> anyhow::Result<Opt
     Ok(None)
 }
 
+/// Connects a placement's driver that did not answer at start, with a growing pause
+/// (at most a minute); `None` at shutdown.
+async fn connect_until_up(placement: Placement, config: &Config, shutdown: &CancellationToken) -> Option<Arc<dyn Driver>> {
+    let mut backoff = contract::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return None,
+            () = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+        match driver_for(placement, config).await {
+            Ok(Some(driver)) => {
+                tracing::info!(%placement, "the placement's backend answers: its jobs are fetched now");
+                return Some(driver);
+            }
+            Ok(None) => return None,
+            Err(error) => tracing::warn!(%placement, error = %format!("{error:#}"), "the placement's backend still does not answer"),
+        }
+    }
+}
+
 /// `driver`, making one SPIRE entry per environment when its section configures it.
 fn with_spire(driver: Arc<dyn Driver>, spire: Option<&crate::spire::SpireConfig>, config: &Config) -> Arc<dyn Driver> {
     match spire {
         Some(spire) => {
-            let registrar = crate::spire::Registrar::new(spire.clone(), driver.placement(), &crate::driver::instance_of(&config.gitea.url));
+            let registrar = crate::spire::Registrar::new(spire.clone(), driver.placement(), &config.installation());
             Arc::new(crate::spire::Registered::new(driver, registrar))
         }
         None => driver,
@@ -145,9 +165,19 @@ pub async fn register(config: &Config) -> anyhow::Result<()> {
 /// When it cannot be opened or reached.
 pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     Ok(match &config.store {
-        StoreConfig::Embedded { path } => Arc::new(Embedded::open(path).with_context(|| format!("store.path {}", path.display()))?),
-        StoreConfig::Jetstream { url, subject, bucket, ack_wait, replicas } => {
-            Arc::new(JetStream::connect_replicated(url, subject, bucket, *ack_wait, *replicas).await.with_context(|| format!("store.url {url}"))?)
+        StoreConfig::Embedded { path, .. } => Arc::new(Embedded::open(path).with_context(|| format!("store.path {}", path.display()))?),
+        StoreConfig::Jetstream { url, subject, bucket, ack_wait, replicas, retention, credentials_file, token_file } => {
+            let settings = crate::store::jetstream::Settings {
+                url: url.clone(),
+                subject: subject.clone(),
+                bucket: bucket.clone(),
+                ack_wait: *ack_wait,
+                replicas: *replicas,
+                retention: *retention,
+                credentials_file: credentials_file.clone(),
+                token_file: token_file.clone(),
+            };
+            Arc::new(JetStream::connect_with(&settings).await.with_context(|| format!("store.url {}", crate::store::jetstream::redact_url(url)))?)
         }
     })
 }
@@ -189,20 +219,39 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
     let mut placements = Placements::new();
     for pool in &config.pools {
         let placement = pool.placement;
-        let driver = if components.worker_for(placement) {
-            let driver = match drivers.remove(&placement) {
-                Some(driver) => Some(driver),
-                None => driver_for(placement, &config).await?,
+        if components.worker_for(placement) {
+            let connected = match drivers.remove(&placement) {
+                Some(driver) => Ok(Some(driver)),
+                None => driver_for(placement, &config).await,
             };
-            match driver {
-                Some(driver) => Some(driver),
-                None => bail!("pool {placement}: no [{}] section configures its driver; add one, or leave this worker out of --components", placement.driver),
+            match connected {
+                Ok(Some(driver)) => {
+                    placements.add(placement, pool.capacity, Some(driver));
+                }
+                Ok(None) => {
+                    bail!("pool {placement}: no [{}] section configures its driver; add one, or leave this worker out of --components", placement.driver)
+                }
+                // One backend down holds back its own placement only.
+                Err(error) => {
+                    tracing::error!(%placement, error = %format!("{error:#}"), "cannot reach this placement's backend; its jobs wait in Gitea until it answers (retrying), the other placements run");
+                    placements.add_awaiting_driver(placement, pool.capacity);
+                }
             }
         } else {
-            None
-        };
-        placements.add(placement, pool.capacity, driver);
+            placements.add(placement, pool.capacity, None);
+        }
         metrics.pool_capacity.get_or_create(&PlacementLabel { placement: placement.to_string() }).set(i64::try_from(pool.capacity).unwrap_or(i64::MAX));
+    }
+    // Where a mode lets a job step out of its environment, say so once (docs/security.md).
+    let enabled = placements.enabled();
+    let notices = [
+        (Placement::CONTAINER_DOCKER, config.docker.as_ref().and_then(crate::driver::docker::DockerConfig::trust_notice)),
+        (Placement::CONTAINER_KUBERNETES, config.kubernetes.as_ref().and_then(crate::driver::kubernetes::KubernetesConfig::trust_notice)),
+    ];
+    for (_, notice) in notices.into_iter().filter(|(placement, _)| enabled.contains(placement)) {
+        if let Some(notice) = notice {
+            tracing::warn!("{notice}");
+        }
     }
     let registrations = Registrations::open(&registration_settings(&config), &placements.enabled()).await?;
     let key = Arc::new(CapabilityKey::from_file(&config.facade.capability_key_file).context("facade.capability_key_file")?);
@@ -210,31 +259,55 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
     let rules = config.rules();
 
     let settings = EnvironmentSettings {
-        facade_url: config.facade.url.clone(),
+        facade_url: config.facade.url.clone().unwrap_or_default(),
         facade_spiffe_id: config.facade.spiffe_id.clone(),
         spiffe_endpoint_socket: config.facade.environment_spiffe_endpoint_socket.clone(),
         gitea_url: Some(config.gitea.environment_url.clone().unwrap_or_else(|| config.gitea.url.clone())),
-        instance: crate::driver::instance_of(&config.gitea.url),
+        instance: config.installation(),
         capability_ttl: config.facade.capability_ttl,
+        socket_dir: config.facade.environment_socket_dir.clone(),
+        socket_placements: crate::facade::sockets::PLACEMENTS.to_vec(),
     };
-    for runtime in placements.iter() {
-        let Some(driver) = runtime.driver.clone() else { continue };
-        let worker = Arc::new(
-            Worker::new(Arc::clone(runtime), driver, Arc::clone(&store), Arc::clone(&key), settings.clone(), rules.clone(), lifecycle.clone())
-                .with_sweep_interval(config.gitea.reconcile_interval),
-        );
-        worker.recover().await.with_context(|| format!("pool {}: rebuilding from the driver", runtime.placement))?;
-        tasks.spawn(named("worker", Arc::clone(&worker).run(shutdown.clone())));
+    // Each docker environment's own facade socket, served where the facade runs.
+    let sockets = match (&config.facade.environment_socket_dir, components.facade) {
+        (Some(dir), true) => {
+            Some(crate::facade::EnvironmentSockets::new(dir, &settings.instance, &settings.socket_placements).context("facade.environment_socket_dir")?)
+        }
+        _ => None,
+    };
+    for runtime in placements.iter().filter(|r| components.worker_for(r.placement)) {
+        let (runtime, config, shutdown) = (Arc::clone(runtime), config.clone(), shutdown.clone());
+        let make = {
+            let (store, key, settings, rules, lifecycle, sockets, metrics) =
+                (Arc::clone(&store), Arc::clone(&key), settings.clone(), rules.clone(), lifecycle.clone(), sockets.clone(), Arc::clone(&metrics));
+            move |runtime: &Arc<crate::placements::PlacementRuntime>, driver: Arc<dyn Driver>| {
+                Worker::new(Arc::clone(runtime), driver, store, key, settings, rules, lifecycle)
+                    .with_sweep_interval(config.gitea.reconcile_interval)
+                    .with_sockets(sockets)
+                    .with_metrics(metrics)
+            }
+        };
+        tasks.spawn(named("worker", async move {
+            let driver = match runtime.driver() {
+                Some(driver) => driver,
+                None => match connect_until_up(runtime.placement, &config, &shutdown).await {
+                    Some(driver) => driver,
+                    None => return Ok(()),
+                },
+            };
+            runtime.set_driver(Arc::clone(&driver));
+            Arc::new(make(&runtime, driver)).run(shutdown).await
+        }));
     }
 
     if components.facade {
         let facade = Arc::new(
-            Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), Arc::clone(&key), rules.clone()).with_metrics(Arc::clone(&metrics)),
+            Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), Arc::clone(&key), rules.clone())
+                .with_metrics(Arc::clone(&metrics))
+                .with_session_ttl(config.facade.capability_ttl),
         );
-        if let Some(path) = config.facade.unix_socket.clone() {
-            let facade = Arc::clone(&facade);
-            let shutdown = shutdown.clone();
-            tasks.spawn(async move { facade::serve_unix(facade, &path, shutdown).await.map_err(anyhow::Error::from) });
+        if let Some(sockets) = sockets.clone() {
+            tasks.spawn(named("facade", sockets.serve(Arc::clone(&facade), Arc::clone(&store), shutdown.clone())));
         }
         if let Some(listen) = config.facade.insecure_listen.clone() {
             let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.insecure_listen {listen}"))?;
@@ -252,7 +325,7 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
 
     if components.scheduler {
         let scheduler_config =
-            SchedulerConfig { rules: rules.clone(), fetch_interval: config.gitea.fetch_interval, fetch_timeout: Duration::from_secs(5), max_loops: 8 };
+            SchedulerConfig { rules: rules.clone(), fetch_interval: config.gitea.fetch_interval, fetch_timeout: config.gitea.fetch_timeout, max_loops: 8 };
         for placement in placements.enabled() {
             let Some(gitea) = registrations.fetcher(placement).cloned() else { continue };
             let scheduler = Arc::new(
@@ -271,6 +344,25 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
         });
     }
 
+    // Finished records go after the retention (JetStream's bucket ages them out itself).
+    {
+        let (store, retention, shutdown) = (Arc::clone(&store), config.store.retention(), shutdown.clone());
+        tasks.spawn(async move {
+            while !shutdown.is_cancelled() {
+                let before = crate::store::now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+                match store.prune(before).await {
+                    Ok(0) => {}
+                    Ok(removed) => tracing::info!(removed, ?retention, "finished records past the retention removed"),
+                    Err(error) => tracing::warn!(error = %crate::error_chain(&error), "cannot remove finished records past the retention"),
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = tokio::time::sleep(Duration::from_secs(600)) => {}
+                }
+            }
+            Ok(())
+        });
+    }
     // Gauges that come from elsewhere, refreshed every few seconds.
     {
         let (store, metrics, placements, shutdown) = (Arc::clone(&store), Arc::clone(&metrics), placements.clone(), shutdown.clone());

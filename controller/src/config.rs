@@ -47,6 +47,12 @@ pub struct GiteaConfig {
     /// Registrations are named `<runner_name>-<placement>`.
     #[serde(default = "default_runner_name")]
     pub runner_name: String,
+    /// This installation's name (lower-case letters, digits and `-`, at most 20): every
+    /// environment it makes carries it, and it removes and counts only its own. Default:
+    /// derived from `url` and the store, so two installations — two Gitea instances, or
+    /// one Gitea with two stores during a migration — never share it. Set it to keep it
+    /// when the URL or the store's location changes.
+    pub installation: Option<String>,
     /// The label every job of this runner must name (see README "Labels").
     #[serde(default = "default_required_label")]
     pub required_label: String,
@@ -55,6 +61,11 @@ pub struct GiteaConfig {
     pub legacy_labels: bool,
     #[serde(default = "default_fetch_interval", with = "duration")]
     pub fetch_interval: Duration,
+    /// How long one FetchTask may take (gitea-runner's `fetch_timeout`). A reply that
+    /// comes later is lost with any task in it, so keep it well above Gitea's response
+    /// time under load.
+    #[serde(default = "default_fetch_timeout", with = "duration")]
+    pub fetch_timeout: Duration,
     #[serde(default = "default_keepalive", with = "duration")]
     pub keepalive_interval: Duration,
     /// How often environments are compared with assignments (dead ones fail their task).
@@ -76,7 +87,12 @@ pub struct IdentityConfig {
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "lowercase")]
 pub enum StoreConfig {
     /// One host: a redb file.
-    Embedded { path: PathBuf },
+    Embedded {
+        path: PathBuf,
+        /// How long finished records (with the reason each ended) are kept.
+        #[serde(default = "default_retention", with = "duration")]
+        retention: Duration,
+    },
     /// Several controllers: NATS JetStream.
     Jetstream {
         url: String,
@@ -90,12 +106,47 @@ pub enum StoreConfig {
         /// at least that many nodes, which then survives the loss of one (two).
         #[serde(default = "default_replicas")]
         replicas: usize,
+        /// How long finished records (with the reason each ended) are kept.
+        #[serde(default = "default_retention", with = "duration")]
+        retention: Duration,
+        /// A NATS credentials file (`.creds`), if the servers require one.
+        credentials_file: Option<PathBuf>,
+        /// A file holding a NATS token, if the servers require one.
+        token_file: Option<PathBuf>,
     },
+}
+
+impl StoreConfig {
+    /// Where the records are, as one string (no credentials): part of the default
+    /// installation name.
+    pub fn location(&self) -> String {
+        match self {
+            StoreConfig::Embedded { path, .. } => format!("redb:{}", path.display()),
+            StoreConfig::Jetstream { url, bucket, .. } => {
+                let mut servers: Vec<String> = url
+                    .split(',')
+                    .map(|server| {
+                        let server = server.trim();
+                        let server = server.split_once("://").map_or(server, |(_, rest)| rest);
+                        server.rsplit_once('@').map_or(server, |(_, host)| host).trim_end_matches('/').to_owned()
+                    })
+                    .collect();
+                servers.sort();
+                format!("nats:{}/{bucket}", servers.join(","))
+            }
+        }
+    }
+
+    pub fn retention(&self) -> Duration {
+        match self {
+            StoreConfig::Embedded { retention, .. } | StoreConfig::Jetstream { retention, .. } => *retention,
+        }
+    }
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig::Embedded { path: PathBuf::from("/var/lib/gitea-dynamic-runner/store.redb") }
+        StoreConfig::Embedded { path: PathBuf::from("/var/lib/gitea-dynamic-runner/store.redb"), retention: default_retention() }
     }
 }
 
@@ -106,8 +157,10 @@ pub struct FacadeConfig {
     pub capability_key_file: PathBuf,
     #[serde(default = "default_capability_ttl", with = "duration")]
     pub capability_ttl: Duration,
-    /// Unix socket for environments without SPIFFE (docker driver); capability only.
-    pub unix_socket: Option<PathBuf>,
+    /// Where every docker environment gets its own facade socket
+    /// (`<dir>/<environment>/facade.sock`, the directory mounted into that environment
+    /// alone), e.g. `/run/gitea-dynamic-runner/environments`.
+    pub environment_socket_dir: Option<PathBuf>,
     /// mTLS listener for environments with SPIFFE, e.g. `0.0.0.0:9443`.
     pub listen: Option<String>,
     /// Development mode: a plain-TCP listener (HTTP/2, no TLS) authenticated by the
@@ -117,8 +170,9 @@ pub struct FacadeConfig {
     pub insecure_listen: Option<String>,
     /// The Workload API of the controller itself (for its own SVID).
     pub spiffe_endpoint_socket: Option<String>,
-    /// The facade's URL and SPIFFE ID as environments see them.
-    pub url: String,
+    /// The facade's URL and SPIFFE ID as Pods and sandboxes see them (docker
+    /// environments use their own socket).
+    pub url: Option<String>,
     pub spiffe_id: Option<String>,
     /// SPIFFE_ENDPOINT_SOCKET inside environments; set means environments wait for
     /// their job's SVID before claiming.
@@ -154,6 +208,9 @@ fn default_required_label() -> String {
 fn default_fetch_interval() -> Duration {
     Duration::from_secs(2)
 }
+fn default_fetch_timeout() -> Duration {
+    Duration::from_secs(5)
+}
 fn default_keepalive() -> Duration {
     crate::scheduler::keepalive::DEFAULT_INTERVAL
 }
@@ -171,6 +228,9 @@ fn default_bucket() -> String {
 }
 fn default_replicas() -> usize {
     1
+}
+fn default_retention() -> Duration {
+    crate::store::DEFAULT_RETENTION
 }
 fn default_ack_wait() -> Duration {
     Duration::from_secs(60)
@@ -215,13 +275,26 @@ const OVERRIDES: &[(&str, &str)] = &[
     ("GDR_GITEA_CREDENTIAL_DIR", "gitea.credential_dir"),
     ("GDR_GITEA_REQUIRED_LABEL", "gitea.required_label"),
     ("GDR_GITEA_RUNNER_NAME", "gitea.runner_name"),
+    ("GDR_GITEA_INSTALLATION", "gitea.installation"),
     ("GDR_IDENTITY_TRUST_DOMAIN", "identity.trust_domain"),
     ("GDR_FACADE_CAPABILITY_KEY_FILE", "facade.capability_key_file"),
     ("GDR_FACADE_URL", "facade.url"),
-    ("GDR_FACADE_UNIX_SOCKET", "facade.unix_socket"),
+    ("GDR_FACADE_ENVIRONMENT_SOCKET_DIR", "facade.environment_socket_dir"),
     ("GDR_FACADE_LISTEN", "facade.listen"),
     ("GDR_FACADE_INSECURE_LISTEN", "facade.insecure_listen"),
     ("GDR_HTTP_LISTEN", "http.listen"),
+];
+
+/// Settings of earlier versions, and what replaces them.
+const REPLACED: &[(&str, &str, &str)] = &[
+    (
+        "facade",
+        "unix_socket",
+        "one socket shared by every container let any job reach the facade for any assignment and broke every running job when the controller \
+         restarted: set facade.environment_socket_dir = \"/run/gitea-dynamic-runner/environments\" instead (each docker environment gets its own \
+         socket there) and drop the unix:// facade.url",
+    ),
+    ("docker", "facade_socket", "remove it: each environment's own facade directory (facade.environment_socket_dir) is mounted automatically"),
 ];
 
 /// Environment variables that must never carry secrets directly.
@@ -252,6 +325,11 @@ impl Config {
             }
         }
         let mut document: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        for (section, key, instead) in REPLACED {
+            if document.get(*section).and_then(toml::Value::as_table).is_some_and(|table| table.contains_key(*key)) {
+                return Err(ConfigError::Invalid { setting: format!("{section}.{key}"), message: format!("is no longer a setting: {instead}") });
+            }
+        }
         for (variable, setting) in OVERRIDES {
             if let Some(value) = env.get(*variable) {
                 let (section, key) = setting.split_once('.').unwrap_or((setting, ""));
@@ -277,6 +355,18 @@ impl Config {
         {
             return invalid("gitea.environment_url", format!("{url:?} must be an http(s) URL of the Gitea instance as environments reach it"));
         }
+        if let Some(installation) = &self.gitea.installation
+            && (installation.is_empty()
+                || installation.len() > 20
+                || !installation.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                || installation.starts_with('-')
+                || installation.ends_with('-'))
+        {
+            return invalid(
+                "gitea.installation",
+                format!("{installation:?} must be 1 to 20 lower-case letters, digits and inner dashes (it is part of every environment's name)"),
+            );
+        }
         if let Err(message) = self.label_policy().validate() {
             return invalid("gitea.required_label", message);
         }
@@ -297,6 +387,11 @@ impl Config {
         }
         if self.pools.iter().any(|p| p.placement == Placement::CONTAINER_DOCKER) && self.docker.is_none() {
             return invalid("docker", "pool container.docker needs a [docker] section with at least `image`".into());
+        }
+        if let Some(docker) = &self.docker
+            && let Err((setting, message)) = docker.validate_configured()
+        {
+            return invalid(&setting, message);
         }
         if self.pools.iter().any(|p| p.placement == Placement::VM_OPENSANDBOX) && self.opensandbox.is_none() {
             return invalid("opensandbox", "pool vm.opensandbox needs an [opensandbox] section with url, api_key_file and image".into());
@@ -329,8 +424,26 @@ impl Config {
         {
             return invalid(&setting, message);
         }
-        if self.facade.unix_socket.is_none() && self.facade.listen.is_none() && self.facade.insecure_listen.is_none() {
-            return invalid("facade", "set facade.unix_socket, facade.listen (SPIFFE mTLS) or facade.insecure_listen (development mode)".into());
+        if self.facade.environment_socket_dir.is_none() && self.facade.listen.is_none() && self.facade.insecure_listen.is_none() {
+            return invalid(
+                "facade",
+                "set facade.environment_socket_dir (docker), facade.listen (SPIFFE mTLS) or facade.insecure_listen (development mode)".into(),
+            );
+        }
+        let socket_placements = crate::facade::sockets::PLACEMENTS;
+        if self.facade.environment_socket_dir.is_none() && self.pools.iter().any(|p| socket_placements.contains(&p.placement)) {
+            return invalid(
+                "facade.environment_socket_dir",
+                "pool container.docker needs it: each container gets its own facade socket there, e.g. \"/run/gitea-dynamic-runner/environments\"".into(),
+            );
+        }
+        if let Some(dir) = &self.facade.environment_socket_dir
+            && !dir.is_absolute()
+        {
+            return invalid("facade.environment_socket_dir", format!("{} must be an absolute path", dir.display()));
+        }
+        if self.facade.url.is_none() && self.pools.iter().any(|p| !socket_placements.contains(&p.placement)) {
+            return invalid("facade.url", "required for Pods and sandboxes: the https:// (SPIFFE mTLS) or http:// (development mode) URL they reach".into());
         }
         if let Some(listen) = &self.facade.insecure_listen {
             let address: std::net::SocketAddr = match listen.parse() {
@@ -341,7 +454,9 @@ impl Config {
                 return invalid("facade.insecure_listen", message);
             }
         }
-        if let Err(message) = contract::facade::FacadeUrl::parse(&self.facade.url) {
+        if let Some(url) = &self.facade.url
+            && let Err(message) = contract::facade::FacadeUrl::parse(url)
+        {
             return invalid("facade.url", message);
         }
         if self.facade.listen.is_some() && self.facade.spiffe_endpoint_socket.is_none() {
@@ -353,17 +468,29 @@ impl Config {
         if self.gitea.keepalive_interval >= Duration::from_secs(600) || self.gitea.keepalive_interval.is_zero() {
             return invalid("gitea.keepalive_interval", "must be between 1s and 10m (Gitea's zombie timeout)".into());
         }
+        if !(Duration::from_secs(1)..=Duration::from_secs(60)).contains(&self.gitea.fetch_timeout) {
+            return invalid("gitea.fetch_timeout", format!("{:?} must be between 1s and 60s", self.gitea.fetch_timeout));
+        }
         if self.gitea.reconcile_interval < Duration::from_secs(1) {
             return invalid("gitea.reconcile_interval", "must be at least 1s".into());
         }
         if !(Duration::from_secs(1)..=Duration::from_secs(300)).contains(&self.gitea.lease_ttl) {
             return invalid("gitea.lease_ttl", format!("{:?} must be between 1s and 5m", self.gitea.lease_ttl));
         }
-        if let StoreConfig::Jetstream { url, .. } = &self.store
-            && !url.starts_with("nats://")
-            && !url.starts_with("tls://")
-        {
-            return invalid("store.url", format!("{url:?} must be a nats:// or tls:// URL (several, comma-separated, for a cluster)"));
+        if let StoreConfig::Jetstream { url, .. } = &self.store {
+            let redacted = crate::store::jetstream::redact_url(url);
+            if url.split(',').any(|server| !server.trim().starts_with("nats://") && !server.trim().starts_with("tls://")) {
+                return invalid("store.url", format!("{redacted:?} must be a nats:// or tls:// URL (several, comma-separated, for a cluster)"));
+            }
+            if url.contains('@') {
+                return invalid(
+                    "store.url",
+                    format!("{redacted:?} carries credentials, which would end up in logs: use store.credentials_file or store.token_file"),
+                );
+            }
+        }
+        if !(Duration::from_secs(60)..=Duration::from_secs(365 * 24 * 3600)).contains(&self.store.retention()) {
+            return invalid("store.retention", format!("{:?} must be between 1m and 365d", self.store.retention()));
         }
         if let StoreConfig::Jetstream { replicas, .. } = &self.store
             && ![1, 3, 5].contains(replicas)
@@ -376,6 +503,11 @@ impl Config {
     /// Total capacity of all pools.
     pub fn total_capacity(&self) -> usize {
         self.pools.iter().map(|p| p.capacity).sum()
+    }
+
+    /// This installation's name (`gitea.installation`, or its default).
+    pub fn installation(&self) -> String {
+        self.gitea.installation.clone().unwrap_or_else(|| crate::driver::instance_of(&self.gitea.url, &self.store.location()))
     }
 
     pub fn label_policy(&self) -> crate::assignment::placement::LabelPolicy {
@@ -402,8 +534,7 @@ trust_domain = "example.org"
 
 [facade]
 capability_key_file = "/etc/gdr/capability.key"
-unix_socket = "/run/gdr/facade.sock"
-url = "unix:///run/gdr/facade.sock"
+environment_socket_dir = "/run/gdr/environments"
 
 [[pool]]
 placement = "container.docker"
@@ -428,6 +559,20 @@ image = "gitea-dynamic-runner/runner:latest"
     }
 
     #[test]
+    fn installations_differ_by_gitea_and_by_store_unless_named() {
+        let embedded = parse(MINIMAL, &[]).unwrap();
+        let other_store = parse(&MINIMAL.replace("[[pool]]", "[store]\nkind = \"embedded\"\npath = \"/srv/other.redb\"\n[[pool]]"), &[]).unwrap();
+        let other_gitea = parse(MINIMAL, &[("GDR_GITEA_URL", "https://gitea.other.example")]).unwrap();
+        assert_ne!(embedded.installation(), other_store.installation());
+        assert_ne!(embedded.installation(), other_gitea.installation());
+        let jetstream =
+            |url: &str| parse(&MINIMAL.replace("[[pool]]", &format!("[store]\nkind = \"jetstream\"\nurl = \"{url}\"\n[[pool]]")), &[]).unwrap().installation();
+        assert_eq!(jetstream("nats://a:4222,nats://b:4222"), jetstream("nats://b:4222, nats://a:4222"), "the same cluster listed in another order");
+        let named = parse(&MINIMAL.replace("credential_dir", "installation = \"prod\"\ncredential_dir"), &[]).unwrap();
+        assert_eq!(named.installation(), "prod");
+    }
+
+    #[test]
     fn environment_overrides_win() {
         let config = parse(MINIMAL, &[("GDR_GITEA_URL", "http://other:3000"), ("GDR_IDENTITY_TRUST_DOMAIN", "ci.example")]).unwrap();
         assert_eq!(config.gitea.url, "http://other:3000");
@@ -441,29 +586,44 @@ image = "gitea-dynamic-runner/runner:latest"
     #[test]
     fn invalid_settings_are_named() {
         type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
+        const SOCKETS: &str = "environment_socket_dir = \"/run/gdr/environments\"";
         let spire_without_socket = format!("{SANDBOX}\n{SPIRE}\n[[pool]]");
+        let sandbox_without_url = format!("{SANDBOX}\n[[pool]]\nplacement = \"vm.opensandbox\"\ncapacity = 1\n[[pool]]");
         let spire_bad_parent = format!("{SANDBOX}\n{}\n[facade]\nenvironment_spiffe_endpoint_socket = \"unix:///s\"", SPIRE.replace("spiffe://", ""));
         let table: &[Case] = &[
             ("url = \"https://gitea.example.com\"", "url = \"gitea.example.com\"", &[], "gitea.url"),
             ("trust_domain = \"example.org\"", "trust_domain = \"Example Org\"", &[], "identity.trust_domain"),
             ("capacity = 4", "capacity = 0", &[], "pool.capacity"),
             ("placement = \"container.docker\"", "placement = \"vm.docker\"", &[], "placement"),
-            ("unix_socket = \"/run/gdr/facade.sock\"", "", &[], "facade"),
+            (SOCKETS, "", &[], "facade"),
+            (SOCKETS, "listen = \"10.0.0.1:9443\"\nspiffe_endpoint_socket = \"unix:///s\"", &[], "facade.environment_socket_dir"),
+            (SOCKETS, "environment_socket_dir = \"run/gdr\"", &[], "facade.environment_socket_dir"),
+            (SOCKETS, "unix_socket = \"/run/gdr/facade.sock\"", &[], "facade.unix_socket"),
+            ("[docker]", "[docker]\nfacade_socket = \"/run/gdr/facade.sock\"", &[], "docker.facade_socket"),
+            ("[docker]", "[docker]\nmemory = \"100M\"", &[], "docker.memory"),
+            ("[docker]", "[docker]\ncpus = \"many\"", &[], "docker.cpus"),
+            ("[docker]", "[docker]\npids_limit = 10", &[], "docker.pids_limit"),
+            ("[docker]", "[docker]\nstorage_size = \"1M\"", &[], "docker.storage_size"),
+            ("[docker]", "[docker]\nstop_seconds = 10", &[], "docker.stop_seconds"),
             ("[identity]", "[identity]\ncolour = \"blue\"", &[], "colour"),
             ("", "", &[("GDR_GITEA_REGISTRATION_TOKEN", "t")], "registration_token_file"),
             ("[docker]\nimage = \"gitea-dynamic-runner/runner:latest\"", "", &[], "docker"),
             ("", "", &[("GDR_FACADE_CAPABILITY_KEY", "k")], "capability_key_file"),
-            ("unix_socket = \"/run/gdr/facade.sock\"", "listen = \"0.0.0.0:9443\"", &[], "facade.spiffe_endpoint_socket"),
+            (SOCKETS, "environment_socket_dir = \"/e\"\nlisten = \"0.0.0.0:9443\"", &[], "facade.spiffe_endpoint_socket"),
             ("[[pool]]", "[store]\nkind = \"jetstream\"\nurl = \"http://nats\"\n[[pool]]", &[], "store.url"),
+            ("[[pool]]", "[store]\nkind = \"jetstream\"\nurl = \"nats://user:pw@nats:4222\"\n[[pool]]", &[], "store.credentials_file"),
+            ("[[pool]]", "[store]\nkind = \"embedded\"\npath = \"/s\"\nretention = \"10s\"\n[[pool]]", &[], "store.retention"),
             ("[[pool]]", "[store]\nkind = \"jetstream\"\nurl = \"nats://a:4222\"\nreplicas = 2\n[[pool]]", &[], "store.replicas"),
             ("url = \"https://gitea.example.com\"", "url = \"https://gitea.example.com\"\nlease_ttl = \"500ms\"", &[], "gitea.lease_ttl"),
+            ("url = \"https://gitea.example.com\"", "url = \"https://gitea.example.com\"\ninstallation = \"Prod_1\"", &[], "gitea.installation"),
             ("url = \"https://gitea.example.com\"", "url = \"https://gitea.example.com\"\nrequired_label = \"docker\"", &[], "gitea.required_label"),
             ("url = \"https://gitea.example.com\"", "url = \"https://gitea.example.com\"\nenvironment_url = \"gitea:3000\"", &[], "gitea.environment_url"),
-            ("unix_socket = \"/run/gdr/facade.sock\"", "insecure_listen = \"0.0.0.0:9444\"", &[], "facade.insecure_listen"),
-            ("unix_socket = \"/run/gdr/facade.sock\"", "insecure_listen = \"203.0.113.7:9444\"", &[], "facade.insecure_listen"),
-            ("unix_socket = \"/run/gdr/facade.sock\"", "insecure_listen = \"controller:9444\"", &[], "facade.insecure_listen"),
-            ("url = \"unix:///run/gdr/facade.sock\"", "url = \"http://198.51.100.1:9444\"", &[], "facade.url"),
-            ("url = \"unix:///run/gdr/facade.sock\"", "url = \"ftp://controller\"", &[], "facade.url"),
+            (SOCKETS, "environment_socket_dir = \"/e\"\ninsecure_listen = \"0.0.0.0:9444\"", &[], "facade.insecure_listen"),
+            (SOCKETS, "environment_socket_dir = \"/e\"\ninsecure_listen = \"203.0.113.7:9444\"", &[], "facade.insecure_listen"),
+            (SOCKETS, "environment_socket_dir = \"/e\"\ninsecure_listen = \"controller:9444\"", &[], "facade.insecure_listen"),
+            (SOCKETS, "environment_socket_dir = \"/e\"\nurl = \"http://198.51.100.1:9444\"", &[], "facade.url"),
+            (SOCKETS, "environment_socket_dir = \"/e\"\nurl = \"ftp://controller\"", &[], "facade.url"),
+            ("[[pool]]", &sandbox_without_url, &[], "facade.url"),
             ("[[pool]]", &spire_without_socket, &[], "opensandbox.spire"),
             ("[facade]", &spire_bad_parent, &[], "opensandbox.spire.parent_id"),
         ];
@@ -500,6 +660,8 @@ image = "gitea-dynamic-runner/runner:latest"
         let (docker, commented) = example.split_once("# The Kubernetes driver").unwrap();
         let uncommented: String =
             commented.lines().filter_map(|l| l.strip_prefix("# ")).filter(|l| l.starts_with('[') || l.contains(" = ")).map(|l| format!("{l}\n")).collect();
+        // Pods reach the facade over TCP: its URL (a commented line of the example) too.
+        let docker = docker.replacen("environment_socket_dir", "url = \"https://gitea-dynamic-runner.ci.svc:9443\"\nenvironment_socket_dir", 1);
         let config = parse(&format!("{docker}\n{uncommented}"), &[]).unwrap();
         assert_eq!(config.pools.len(), 2);
         assert_eq!(config.kubernetes.unwrap().tolerations.len(), 1);

@@ -26,7 +26,7 @@ use crate::{
     driver::{Driver, Phase},
     gitea::{self, registrations::Registrations},
     placements::Placements,
-    store::{self, Record, State, Store, StoreError},
+    store::{self, Record, Store, StoreError},
 };
 
 /// How long a finished environment may take to end on its own before it is stopped.
@@ -72,14 +72,17 @@ impl Lifecycle {
     /// When the store cannot record it (the caller may retry; nothing was released).
     #[tracing::instrument(skip(self), fields(assignment.id = %assignment_id))]
     pub async fn finish(&self, assignment_id: &str, result: i32) -> Result<Record, LifecycleError> {
+        self.end(assignment_id, result, None).await
+    }
+
+    /// [`Lifecycle::finish`], keeping `reason` on the record for operators.
+    async fn end(&self, assignment_id: &str, result: i32, reason: Option<&str>) -> Result<Record, LifecycleError> {
         let name = result_name(result);
         let deadline = tokio::time::Instant::now() + FINISH_RETRY;
         let mut pause = Duration::from_millis(200);
         let modified = loop {
-            let modified = store::modify(self.store.as_ref(), assignment_id, |current| {
-                (!current.is_terminal()).then(|| Record { state: State::Terminal { result: name.clone() }, ..current.clone() })
-            })
-            .await;
+            let modified =
+                store::modify(self.store.as_ref(), assignment_id, |current| (!current.is_terminal()).then(|| current.ended(name.clone(), reason))).await;
             match modified {
                 Err(StoreError::Unavailable { .. }) if tokio::time::Instant::now() + pause < deadline => {
                     tracing::warn!(assignment_id, "the store is unavailable; retrying to record the end");
@@ -118,14 +121,14 @@ impl Lifecycle {
             (_, Err(error)) => tracing::error!(assignment_id, "{error}"),
             (None, _) => tracing::error!(assignment_id, "not a Gitea task id; nothing to tell Gitea"),
         }
-        self.finish(assignment_id, TaskResult::Failure as i32).await
+        self.end(assignment_id, TaskResult::Failure as i32, Some(reason)).await
     }
 
     /// Frees what a terminal record held in this process (idempotent).
     fn release(&self, record: &Record) {
         let Some(runtime) = self.placements.get(record.placement) else { return };
         runtime.admission.release(&record.assignment_id);
-        match (runtime.driver.clone(), record.environment.clone()) {
+        match (runtime.driver(), record.environment.clone()) {
             (Some(driver), Some(environment)) => {
                 let (grace, runtime) = (self.retire_grace, Arc::clone(runtime));
                 let assignment_id = record.assignment_id.clone();

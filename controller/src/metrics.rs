@@ -1,13 +1,25 @@
 //! Operability: Prometheus metrics, `/healthz` and `/readyz` on one small HTTP
 //! listener.
+//!
+//! - `/healthz` fails when a loop that must keep turning (fetch loops, workers, sweeps)
+//!   has not reported for [`STALLED_AFTER`]: a process whose scheduling is stuck gets
+//!   restarted.
+//! - `/readyz` fails while the store cannot take a write, or when no placement fetches
+//!   any more; its body says the state of each placement (a runner deleted in Gitea stops
+//!   only its own placement).
 
 use std::{
+    collections::BTreeMap,
     convert::Infallible,
     sync::{
-        Arc,
+        Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
     },
+    time::{Duration, Instant},
 };
+
+/// How long a loop may stay silent before `/healthz` calls the process stuck.
+pub const STALLED_AFTER: Duration = Duration::from_secs(300);
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -41,7 +53,21 @@ pub struct Metrics {
     /// Seconds from persisted to claimed.
     pub claim_latency: Histogram,
     pub errors: Family<KindLabel, Counter>,
+    /// 1 while a placement's registration fetches, 0 once Gitea no longer knows it.
+    pub placement_fetching: Family<PlacementLabel, Gauge>,
     ready: AtomicBool,
+    /// Placement → what its registration is doing, for `/readyz`.
+    placements: Mutex<BTreeMap<String, PlacementStatus>>,
+    /// Loop → when it last reported.
+    beats: Mutex<BTreeMap<String, Instant>>,
+}
+
+/// What a placement's registration is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlacementStatus {
+    Fetching,
+    /// Gitea no longer knows its runner: what to do about it.
+    Stopped(String),
 }
 
 impl Default for Metrics {
@@ -62,6 +88,12 @@ impl Metrics {
         let job_startup = Histogram::new(buckets);
         let claim_latency = Histogram::new(buckets);
         let errors = Family::<KindLabel, Counter>::default();
+        let placement_fetching = Family::<PlacementLabel, Gauge>::default();
+        registry.register(
+            "placement_fetching",
+            "1 while the placement's Gitea registration fetches tasks, 0 once Gitea no longer knows it",
+            placement_fetching.clone(),
+        );
         registry.register("queue_depth", "Assignments waiting in a placement's queue", queue_depth.clone());
         registry.register("pool_in_use", "Environments holding a pool slot", pool_in_use.clone());
         registry.register("pool_capacity", "Pool capacity per placement", pool_capacity.clone());
@@ -80,8 +112,60 @@ impl Metrics {
             job_startup,
             claim_latency,
             errors,
+            placement_fetching,
             ready: AtomicBool::new(false),
+            placements: Mutex::new(BTreeMap::new()),
+            beats: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// Records what `placement`'s registration is doing.
+    pub fn placement(&self, placement: &str, status: PlacementStatus) {
+        self.placement_fetching.get_or_create(&PlacementLabel { placement: placement.to_owned() }).set(i64::from(status == PlacementStatus::Fetching));
+        self.placements.lock().unwrap_or_else(PoisonError::into_inner).insert(placement.to_owned(), status);
+    }
+
+    /// `name` (a loop that must keep turning) is alive now.
+    pub fn beat(&self, name: &str) {
+        let mut beats = self.beats.lock().unwrap_or_else(PoisonError::into_inner);
+        match beats.get_mut(name) {
+            Some(at) => *at = Instant::now(),
+            None => {
+                beats.insert(name.to_owned(), Instant::now());
+            }
+        }
+    }
+
+    /// A loop stopped on purpose (shutdown, a placement that stopped fetching).
+    pub fn forget(&self, name: &str) {
+        self.beats.lock().unwrap_or_else(PoisonError::into_inner).remove(name);
+    }
+
+    /// Loops silent for longer than `limit`.
+    pub fn stalled(&self, limit: Duration) -> Vec<(String, Duration)> {
+        let beats = self.beats.lock().unwrap_or_else(PoisonError::into_inner);
+        beats.iter().map(|(name, at)| (name.clone(), at.elapsed())).filter(|(_, silent)| *silent > limit).collect()
+    }
+
+    fn readiness(&self) -> (bool, String) {
+        let placements = self.placements.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut body = String::new();
+        for (placement, status) in placements.iter() {
+            match status {
+                PlacementStatus::Fetching => body.push_str(&format!("{placement}: fetching\n")),
+                PlacementStatus::Stopped(why) => body.push_str(&format!("{placement}: stopped: {why}\n")),
+            }
+        }
+        let fetching = placements.is_empty() || placements.values().any(|s| *s == PlacementStatus::Fetching);
+        let store = self.is_ready();
+        if !store {
+            body.insert_str(0, "not ready: the store cannot take a write (the log says why)\n");
+        } else if !fetching {
+            body.insert_str(0, "not ready: no placement fetches tasks\n");
+        } else {
+            body.insert_str(0, "ready\n");
+        }
+        (store && fetching, body)
     }
 
     pub fn error(&self, kind: &str) {
@@ -135,9 +219,17 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, shu
 fn answer(path: &str, metrics: &Metrics) -> http::Response<Full<Bytes>> {
     let (status, content_type, body) = match path {
         "/metrics" => (200, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
-        "/healthz" => (200, "text/plain", "ok\n".to_owned()),
-        "/readyz" if metrics.is_ready() => (200, "text/plain", "ready\n".to_owned()),
-        "/readyz" => (503, "text/plain", "not ready: not yet registered with Gitea, or the store cannot take a write (the log says which)\n".to_owned()),
+        "/healthz" => match metrics.stalled(STALLED_AFTER).as_slice() {
+            [] => (200, "text/plain", "ok\n".to_owned()),
+            stalled => {
+                let list: Vec<String> = stalled.iter().map(|(name, silent)| format!("{name}: silent for {}s", silent.as_secs())).collect();
+                (503, "text/plain", format!("stalled: {}\n", list.join(", ")))
+            }
+        },
+        "/readyz" => {
+            let (ready, body) = metrics.readiness();
+            (if ready { 200 } else { 503 }, "text/plain", body)
+        }
         _ => (404, "text/plain", "not found: try /metrics, /healthz or /readyz\n".to_owned()),
     };
     let mut response = http::Response::new(Full::new(Bytes::from(body)));
@@ -170,12 +262,33 @@ mod tests {
     }
 
     #[test]
-    fn readiness_follows_the_flag() {
+    fn readiness_follows_the_store_and_the_placements() {
         let metrics = Metrics::new();
         assert_eq!(answer("/readyz", &metrics).status(), 503);
         metrics.set_ready(true);
         assert_eq!(answer("/readyz", &metrics).status(), 200);
-        assert_eq!(answer("/healthz", &metrics).status(), 200);
+        metrics.placement("container.docker", PlacementStatus::Fetching);
+        metrics.placement("vm.opensandbox", PlacementStatus::Stopped("Gitea no longer knows this runner".into()));
+        let (ready, body) = metrics.readiness();
+        assert!(ready, "one placement still fetches");
+        assert!(body.contains("vm.opensandbox: stopped: Gitea no longer knows this runner") && body.contains("container.docker: fetching"), "{body}");
+        assert!(metrics.encode().contains("gdr_placement_fetching{placement=\"vm.opensandbox\"} 0"));
+        metrics.placement("container.docker", PlacementStatus::Stopped("deleted".into()));
+        assert_eq!(answer("/readyz", &metrics).status(), 503);
         assert_eq!(answer("/nope", &metrics).status(), 404);
+    }
+
+    #[test]
+    fn health_fails_when_a_loop_stops_reporting() {
+        let metrics = Metrics::new();
+        assert_eq!(answer("/healthz", &metrics).status(), 200);
+        metrics.beat("worker container.docker");
+        assert!(metrics.stalled(Duration::from_secs(60)).is_empty());
+        std::thread::sleep(Duration::from_millis(20));
+        let stalled = metrics.stalled(Duration::from_millis(10));
+        assert_eq!(stalled.len(), 1);
+        assert_eq!(stalled[0].0, "worker container.docker");
+        metrics.forget("worker container.docker");
+        assert!(metrics.stalled(Duration::ZERO).is_empty());
     }
 }

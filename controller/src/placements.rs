@@ -10,7 +10,7 @@
 //! the fetches in flight stay below its capacity: a backlog waits in Gitea.
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex},
 };
 
@@ -20,10 +20,32 @@ use crate::{assignment::Placement, driver::Driver, worker::pool::Pool};
 pub struct PlacementRuntime {
     pub placement: Placement,
     pub capacity: usize,
-    /// Present where this process may create and delete this placement's environments.
-    pub driver: Option<Arc<dyn Driver>>,
+    /// Set where this process may create and delete this placement's environments —
+    /// once its backend answered (a backend down at start holds back only its placement).
+    driver: std::sync::OnceLock<Arc<dyn Driver>>,
+    /// This process runs the placement's worker: its scheduler fetches only once the
+    /// driver is there (a task fetched for a backend that cannot make environments would
+    /// wait here with Gitea's timers running).
+    worker_here: bool,
     pub pool: Pool,
     pub admission: Arc<Admission>,
+}
+
+impl PlacementRuntime {
+    pub fn driver(&self) -> Option<Arc<dyn Driver>> {
+        self.driver.get().cloned()
+    }
+
+    /// The driver connected (later than the start).
+    pub fn set_driver(&self, driver: Arc<dyn Driver>) {
+        let _ = self.driver.set(driver);
+    }
+
+    /// Whether environments of this placement can be made now, as far as this process
+    /// knows (a placement whose worker runs elsewhere: yes).
+    pub fn can_place(&self) -> bool {
+        !self.worker_here || self.driver.get().is_some()
+    }
 }
 
 /// Every enabled placement of this controller.
@@ -39,7 +61,29 @@ impl Placements {
 
     /// Adds a placement; `driver` only where this process runs its worker.
     pub fn add(&mut self, placement: Placement, capacity: usize, driver: Option<Arc<dyn Driver>>) -> Arc<PlacementRuntime> {
-        let runtime = Arc::new(PlacementRuntime { placement, capacity, driver, pool: Pool::new(capacity), admission: Arc::new(Admission::new(capacity)) });
+        let worker_here = driver.is_some();
+        self.insert(placement, capacity, driver, worker_here)
+    }
+
+    /// Adds a placement whose worker runs here once its driver connects
+    /// ([`PlacementRuntime::set_driver`]).
+    pub fn add_awaiting_driver(&mut self, placement: Placement, capacity: usize) -> Arc<PlacementRuntime> {
+        self.insert(placement, capacity, None, true)
+    }
+
+    fn insert(&mut self, placement: Placement, capacity: usize, driver: Option<Arc<dyn Driver>>, worker_here: bool) -> Arc<PlacementRuntime> {
+        let cell = std::sync::OnceLock::new();
+        if let Some(driver) = driver {
+            let _ = cell.set(driver);
+        }
+        let runtime = Arc::new(PlacementRuntime {
+            placement,
+            capacity,
+            driver: cell,
+            worker_here,
+            pool: Pool::new(capacity),
+            admission: Arc::new(Admission::new(capacity)),
+        });
         self.by_placement.insert(placement, Arc::clone(&runtime));
         runtime
     }
@@ -68,7 +112,10 @@ pub struct Admission {
 
 #[derive(Debug, Default)]
 struct AdmissionState {
-    live: HashSet<String>,
+    /// Assignment id → whether its record is persisted (only a persisted one can be
+    /// checked against the store: a fetched task whose record is being written is not
+    /// "gone").
+    live: HashMap<String, bool>,
     fetching: usize,
 }
 
@@ -100,18 +147,27 @@ impl Admission {
     /// Counts `assignment_id` as live (start-up recovery, or a task of this placement
     /// fetched by another placement's registration) — even beyond capacity: it is ours.
     pub fn admit(&self, assignment_id: &str) {
-        self.state().live.insert(assignment_id.to_owned());
+        self.state().live.insert(assignment_id.to_owned(), true);
+    }
+
+    /// The record of a fetched assignment is persisted: from now on a refresh against
+    /// the store may find it finished.
+    pub fn persisted(&self, assignment_id: &str) {
+        if let Some(persisted) = self.state().live.get_mut(assignment_id) {
+            *persisted = true;
+        }
     }
 
     pub fn release(&self, assignment_id: &str) {
-        if self.state().live.remove(assignment_id) {
+        if self.state().live.remove(assignment_id).is_some() {
             self.released.notify_waiters();
         }
     }
 
-    /// The live assignment ids (for a refresh against the store).
-    pub fn live(&self) -> Vec<String> {
-        self.state().live.iter().cloned().collect()
+    /// The live assignment ids whose records are persisted (for a refresh against the
+    /// store; the others are being written).
+    pub fn persisted_live(&self) -> Vec<String> {
+        self.state().live.iter().filter(|(_, persisted)| **persisted).map(|(id, _)| id.clone()).collect()
     }
 
     /// (live, fetching).
@@ -133,7 +189,7 @@ impl Ticket {
     pub fn fill(mut self, assignment_id: &str) {
         let mut state = self.admission.state();
         state.fetching = state.fetching.saturating_sub(1);
-        state.live.insert(assignment_id.to_owned());
+        state.live.insert(assignment_id.to_owned(), false);
         self.open = false;
     }
 }
@@ -172,5 +228,19 @@ mod tests {
         admission.admit("gitea-task-4");
         assert_eq!(admission.usage(), (3, 0), "admitted beyond capacity: what was fetched is ours");
         assert!(admission.try_reserve().is_none());
+    }
+
+    /// A fetched task whose record is still being written is not checked against the
+    /// store (it would read as gone and free its room: one fetch too many).
+    #[test]
+    fn only_persisted_assignments_are_refreshed_against_the_store() {
+        let admission = Arc::new(Admission::new(2));
+        admission.try_reserve().unwrap().fill("gitea-task-1");
+        admission.admit("gitea-task-2");
+        assert_eq!(admission.persisted_live(), ["gitea-task-2"]);
+        admission.persisted("gitea-task-1");
+        let mut live = admission.persisted_live();
+        live.sort();
+        assert_eq!(live, ["gitea-task-1", "gitea-task-2"]);
     }
 }

@@ -9,9 +9,9 @@
 //! - an environment's agent in the middle of its job (it reports nothing more, and the
 //!   environment, whose PID 1 it is, dies with it).
 //!
-//! A smaller campaign runs the same with the real docker driver: containers of a private
-//! dockerd (a busybox image whose entrypoint sleeps stands in for the runner image, so
-//! there are no loop devices to leak here; the supervisor's own tests cover those).
+//! The campaign with real environments (the runner image, the real supervisor and
+//! gitea-runner, the real Gitea) is tests/e2e/tests/campaign.rs; this one is about the
+//! store and the controller processes under many more kills than real jobs allow.
 //!
 //! Then it waits for the system to settle and checks: every task Gitea handed out ran in
 //! at most one environment; every task is finished (success, or failed with a reason in
@@ -19,7 +19,7 @@
 //! the first persist, which only a controller kill can cause and which are listed; at the
 //! end no environment is left and every pool is back to zero. A table is printed.
 //!
-//! `GDR_CHAOS_ITERATIONS` (default 20), `GDR_CHAOS_DOCKER_ITERATIONS` (default 5) and `GDR_CHAOS_SEED` (default: the clock; printed,
+//! `GDR_CHAOS_ITERATIONS` (default 20) and `GDR_CHAOS_SEED` (default: the clock; printed,
 //! so a failing run can be repeated). `scripts/chaos N` runs the long mode.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -36,7 +36,6 @@ use std::{
 };
 
 use common::{
-    dockerd::{Dockerd, dockerd, import_image},
     fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN},
     pool_in_use,
 };
@@ -77,7 +76,6 @@ impl Kill {
 struct Replica {
     name: &'static str,
     config: PathBuf,
-    socket: PathBuf,
     metrics: String,
     /// The test driver's directory; `None` with the docker driver.
     driver_dir: Option<PathBuf>,
@@ -121,7 +119,6 @@ fn free_port() -> u16 {
 }
 
 fn replica(dir: &Path, name: &'static str, gitea: &FakeGitea, nats: &str, envs: &Environments) -> Replica {
-    let socket = dir.join(format!("facade-{name}.sock"));
     let port = free_port();
     let config = dir.join(format!("controller-{name}.toml"));
     std::fs::write(
@@ -148,8 +145,7 @@ replicas = 3
 
 [facade]
 capability_key_file = "{dir}/capability.key"
-unix_socket = "{socket}"
-url = "unix://{socket}"
+environment_socket_dir = "{dir}/environments"
 
 [http]
 listen = "127.0.0.1:{port}"
@@ -161,16 +157,13 @@ capacity = {CAPACITY}
 {docker}"#,
             gitea = gitea.url(),
             dir = dir.display(),
-            socket = socket.display(),
             docker = envs.docker_section(),
         ),
     )
     .unwrap();
-    let driver_dir = match envs {
-        Environments::Files(dir) => Some(dir.clone()),
-        Environments::Docker(_) => None,
-    };
-    Replica { name, config, socket, metrics: format!("127.0.0.1:{port}"), driver_dir, log: dir.join(format!("controller-{name}.log")), child: None }
+    let Environments::Files(driver_dir) = envs;
+    let driver_dir = Some(driver_dir.clone());
+    Replica { name, config, metrics: format!("127.0.0.1:{port}"), driver_dir, log: dir.join(format!("controller-{name}.log")), child: None }
 }
 
 /// An environment as the test driver stores it.
@@ -180,34 +173,26 @@ struct Env {
     assignment_id: String,
     capability: String,
     terminal: bool,
+    /// Its own facade socket (both replicas serve environments' sockets; whichever bound
+    /// it last answers).
+    socket: PathBuf,
 }
 
-/// Where the environments live: the test driver's JSON files, or the containers of a
-/// private dockerd made by the real docker driver (a busybox image whose entrypoint
-/// sleeps stands in for the runner image; the test plays the agent from outside).
+/// Where the environments live: the test driver's JSON files. (The campaign with the
+/// real docker driver runs real environments: tests/e2e/tests/campaign.rs.)
 #[derive(Clone)]
 enum Environments {
     Files(PathBuf),
-    Docker(Arc<Dockerd>),
 }
-
-const DOCKER_IMAGE: &str = "gdr-chaos:test";
 
 impl Environments {
     fn docker_section(&self) -> String {
-        match self {
-            Environments::Files(_) => "[docker]\nimage = \"unused-with-the-test-driver\"\n".into(),
-            Environments::Docker(dockerd) => format!(
-                "[docker]\nimage = \"{DOCKER_IMAGE}\"\nsocket = \"{}\"\nprivileged = false\nnetwork = \"none\"\nstop_seconds = 1\n",
-                dockerd.socket.display()
-            ),
-        }
+        "[docker]\nimage = \"unused-with-the-test-driver\"\n".into()
     }
 
     async fn list(&self) -> Vec<Env> {
         match self {
             Environments::Files(dir) => files(dir),
-            Environments::Docker(dockerd) => containers(dockerd).await,
         }
     }
 
@@ -215,13 +200,14 @@ impl Environments {
     async fn end(&self, name: &str) -> bool {
         match self {
             Environments::Files(dir) => end_file(dir, name),
-            Environments::Docker(dockerd) => {
-                let mut kill = tokio::process::Command::from(dockerd.cli());
-                kill.args(["kill", name]).stdout(Stdio::null()).stderr(Stdio::null());
-                kill.status().await.is_ok_and(|s| s.success())
-            }
         }
     }
+}
+
+/// Each environment's own facade directory (`facade.environment_socket_dir`), beside the
+/// test driver's.
+fn own_dir(driver_dir: &Path, name: &str) -> PathBuf {
+    driver_dir.with_file_name("environments").join(name)
 }
 
 fn files(dir: &Path) -> Vec<Env> {
@@ -235,39 +221,17 @@ fn files(dir: &Path) -> Vec<Env> {
         // Gone between listing and reading: deleted by a reconciler.
         let Ok(bytes) = std::fs::read(&path) else { continue };
         let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        let name = value["name"].as_str().unwrap().to_owned();
+        let own = own_dir(dir, &name);
+        // What PID 1 would read: the capability file the worker wrote before the create.
+        let Ok(capability) = std::fs::read_to_string(own.join("capability")) else { continue };
         found.push(Env {
-            name: value["name"].as_str().unwrap().to_owned(),
             assignment_id: value["assignment_id"].as_str().unwrap().to_owned(),
-            capability: value["env"]["CI_RUNNER_CAPABILITY"].as_str().unwrap().to_owned(),
+            capability,
             terminal: value["terminal"].as_bool().unwrap(),
+            socket: own.join("facade.sock"),
+            name,
         });
-    }
-    found.sort_by(|a, b| a.name.cmp(&b.name));
-    found
-}
-
-/// Every container the controllers made, running or not.
-async fn containers(dockerd: &Dockerd) -> Vec<Env> {
-    let mut ps = tokio::process::Command::from(dockerd.cli());
-    ps.args(["ps", "-a", "-q", "--filter", &format!("label={}=true", controller::driver::LABEL_MANAGED)]);
-    let Ok(listed) = ps.output().await else { return Vec::new() };
-    let ids: Vec<String> = String::from_utf8_lossy(&listed.stdout).split_whitespace().map(str::to_owned).collect();
-    if ids.is_empty() {
-        return Vec::new();
-    }
-    let mut inspect = tokio::process::Command::from(dockerd.cli());
-    let format =
-        format!("{{{{.Name}}}}\t{{{{index .Config.Labels \"{}\"}}}}\t{{{{.State.Running}}}}\t{{{{json .Config.Env}}}}", controller::driver::LABEL_ASSIGNMENT);
-    inspect.args(["inspect", "--format", &format]).args(&ids);
-    // A container removed between the two calls is missing from the answer.
-    let Ok(inspected) = inspect.output().await else { return Vec::new() };
-    let mut found = Vec::new();
-    for line in String::from_utf8_lossy(&inspected.stdout).lines() {
-        let fields: Vec<&str> = line.splitn(4, '\t').collect();
-        let [name, assignment_id, running, env] = fields[..] else { continue };
-        let env: Vec<String> = serde_json::from_str(env).unwrap_or_default();
-        let capability = env.iter().find_map(|v| v.strip_prefix("CI_RUNNER_CAPABILITY=")).unwrap_or_default().to_owned();
-        found.push(Env { name: name.trim_start_matches('/').to_owned(), assignment_id: assignment_id.to_owned(), capability, terminal: running != "true" });
     }
     found.sort_by(|a, b| a.name.cmp(&b.name));
     found
@@ -341,8 +305,12 @@ where
     Err(last)
 }
 
-async fn claim_anywhere(sockets: &[PathBuf], request: &ClaimRequest) -> Result<Task, tonic::Status> {
-    ask_any_facade(sockets, "claim", |mut client| async move { Ok(client.claim(request.clone()).await?.into_inner().task.unwrap()) }).await
+async fn claim_anywhere(sockets: &[PathBuf], request: &ClaimRequest) -> Result<(Task, String), tonic::Status> {
+    ask_any_facade(sockets, "claim", |mut client| async move {
+        let claimed = client.claim(request.clone()).await?.into_inner();
+        Ok((claimed.task.unwrap(), claimed.session))
+    })
+    .await
 }
 
 async fn report_anywhere(sockets: &[PathBuf], request: &UpdateTaskRequest) -> Result<(), tonic::Status> {
@@ -356,15 +324,16 @@ fn is_killed(ledger: &Shared, name: &str) -> bool {
 /// Plays one environment's agent: claim (through whichever facade answers), work, report
 /// success, end the environment. A final refusal (finished, failed, claimed by another
 /// holder) ends it.
-async fn agent(env: Env, envs: Environments, sockets: Vec<PathBuf>, ledger: Shared, work: Duration, stop: CancellationToken) {
+async fn agent(env: Env, envs: Environments, ledger: Shared, work: Duration, stop: CancellationToken) {
+    let sockets = vec![env.socket.clone()];
     let credential = Some(AssignmentCredential { assignment_id: env.assignment_id.clone(), capability: env.capability.clone() });
-    let claim = ClaimRequest { credential: credential.clone(), holder: format!("agent-{}", env.name) };
-    let task = loop {
+    let claim = ClaimRequest { credential, holder: format!("agent-{}", env.name) };
+    let (task, session) = loop {
         if stop.is_cancelled() || is_killed(&ledger, &env.name) {
             return;
         }
         match claim_anywhere(&sockets, &claim).await {
-            Ok(task) => break task,
+            Ok(claimed) => break claimed,
             Err(status) if matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Internal | Code::Cancelled) => {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
@@ -374,7 +343,7 @@ async fn agent(env: Env, envs: Environments, sockets: Vec<PathBuf>, ledger: Shar
     ledger.lock().unwrap().ran.entry(task.id).or_default().insert(env.name.clone());
     tokio::time::sleep(work).await;
     let done = UpdateTaskRequest {
-        credential,
+        credential: Some(AssignmentCredential { assignment_id: env.assignment_id.clone(), capability: session }),
         request: Some(RunnerUpdate {
             state: Some(TaskState {
                 id: task.id,
@@ -406,7 +375,7 @@ async fn agent(env: Env, envs: Environments, sockets: Vec<PathBuf>, ledger: Shar
 }
 
 /// Starts an agent for every new environment until `stop`.
-async fn play(envs: Environments, sockets: Vec<PathBuf>, ledger: Shared, seed: u64, stop: CancellationToken) {
+async fn play(envs: Environments, ledger: Shared, seed: u64, stop: CancellationToken) {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut agents = tokio::task::JoinSet::new();
     while !stop.is_cancelled() {
@@ -415,7 +384,7 @@ async fn play(envs: Environments, sockets: Vec<PathBuf>, ledger: Shared, seed: u
                 continue;
             }
             let work = Duration::from_millis(rng.u64(100..800));
-            agents.spawn(agent(env, envs.clone(), sockets.clone(), Arc::clone(&ledger), work, stop.clone()));
+            agents.spawn(agent(env, envs.clone(), Arc::clone(&ledger), work, stop.clone()));
         }
         while agents.try_join_next().is_some() {}
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -558,7 +527,7 @@ struct Rig {
 }
 
 impl Rig {
-    async fn start(seed: u64, docker: bool) -> Rig {
+    async fn start(seed: u64) -> Rig {
         let cluster = Arc::new(Mutex::new(tokio::task::spawn_blocking(|| NatsCluster::start(3)).await.unwrap()));
         let nats_url = cluster.lock().unwrap().url();
         let gitea = FakeGitea::start().await;
@@ -568,18 +537,7 @@ impl Rig {
         let key = d.join("capability.key");
         std::fs::write(&key, "0123456789abcdef0123456789abcdef-chaos-campaign\n").unwrap();
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let envs = if docker {
-            let dockerd = tokio::task::spawn_blocking(|| {
-                let dockerd = dockerd();
-                import_image(&dockerd, DOCKER_IMAGE);
-                dockerd
-            })
-            .await
-            .unwrap();
-            Environments::Docker(Arc::new(dockerd))
-        } else {
-            Environments::Files(d.join("envs"))
-        };
+        let envs = Environments::Files(d.join("envs"));
         let mut replicas = [replica(d, "a", &gitea, &nats_url, &envs), replica(d, "b", &gitea, &nats_url, &envs)];
         // The first registers; the second finds the credentials.
         replicas[0].start();
@@ -595,8 +553,7 @@ impl Rig {
         let store = JetStream::connect_replicated(&nats_url, SUBJECT, BUCKET, Duration::from_secs(30), 3).await.unwrap();
         let ledger: Shared = Arc::default();
         let stop = CancellationToken::new();
-        let sockets: Vec<PathBuf> = replicas.iter().map(|r| r.socket.clone()).collect();
-        let player = tokio::spawn(play(envs.clone(), sockets, Arc::clone(&ledger), seed, stop.clone()));
+        let player = tokio::spawn(play(envs.clone(), Arc::clone(&ledger), seed, stop.clone()));
         Rig { cluster, gitea, dir, replicas, store, ledger, envs, stop, player: Some(player) }
     }
 
@@ -675,25 +632,17 @@ impl Rig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_kills_lose_nothing_and_run_nothing_twice() {
     let _turn = TURN.lock().await;
-    campaign(parse_env("GDR_CHAOS_ITERATIONS").unwrap_or(20), false).await;
+    campaign(parse_env("GDR_CHAOS_ITERATIONS").unwrap_or(20)).await;
 }
 
-/// The same campaign with the real docker driver (containers of a private dockerd) for a
-/// smaller count: `GDR_CHAOS_DOCKER_ITERATIONS` (default 5).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn random_kills_with_the_docker_driver() {
-    let _turn = TURN.lock().await;
-    campaign(parse_env("GDR_CHAOS_DOCKER_ITERATIONS").unwrap_or(5), true).await;
-}
-
-async fn campaign(iterations: usize, docker: bool) {
+async fn campaign(iterations: usize) {
     let seed: u64 = parse_env("GDR_CHAOS_SEED").unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs());
-    let driver = if docker { "docker driver" } else { "test driver" };
+    let driver = "test driver";
     eprintln!("chaos ({driver}): {iterations} iterations, GDR_CHAOS_SEED={seed}");
     let mut rng = fastrand::Rng::with_seed(seed);
     let started = Instant::now();
 
-    let mut rig = Rig::start(rng.u64(..), docker).await;
+    let mut rig = Rig::start(rng.u64(..)).await;
     let mut tally = Tally { driver, ..Tally::default() };
     for iteration in 0..iterations {
         let began = Instant::now();
@@ -798,7 +747,7 @@ async fn ready(metrics: &str) -> Option<bool> {
 async fn a_30_s_outage_of_every_nats_node_loses_nothing() {
     let _turn = TURN.lock().await;
     let started = Instant::now();
-    let mut rig = Rig::start(7, false).await;
+    let mut rig = Rig::start(7).await;
     rig.add_jobs(6);
     testkit::wait_until("an agent mid-job", Duration::from_secs(60), || !rig.ledger.lock().unwrap().ran.is_empty()).await;
     rig.add_jobs(6);

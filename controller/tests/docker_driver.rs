@@ -19,16 +19,17 @@ use controller::{
     },
 };
 
-fn spec(assignment_id: &str, facade_socket: &str) -> EnvironmentSpec {
+fn spec(assignment_id: &str, facade_dir: &std::path::Path) -> EnvironmentSpec {
     EnvironmentSpec {
         assignment_id: assignment_id.to_owned(),
         name: driver::environment_name("test", assignment_id),
         labels: driver::labels_for("test", assignment_id, Placement::CONTAINER_DOCKER),
         env: BTreeMap::from([
             ("CI_ASSIGNMENT_ID".to_owned(), assignment_id.to_owned()),
-            ("CI_RUNNER_CAPABILITY".to_owned(), "v1.capability".to_owned()),
-            ("CI_RUNNER_FACADE_URL".to_owned(), format!("unix://{facade_socket}")),
+            ("CI_RUNNER_CAPABILITY_FILE".to_owned(), "/run/gitea-dynamic-runner/capability".to_owned()),
+            ("CI_RUNNER_FACADE_URL".to_owned(), "unix:///run/gitea-dynamic-runner/facade.sock".to_owned()),
         ]),
+        facade_dir: Some(driver::FacadeDir { host: facade_dir.join(assignment_id), capability: "v1.capability".into() }),
     }
 }
 
@@ -43,28 +44,34 @@ async fn one_container_per_assignment_idempotent_listed_and_removed() {
     let docker = dockerd();
     import_image(&docker, "gdr-runner:test");
     let facade_dir = tempfile::tempdir().unwrap();
-    let facade_socket = facade_dir.path().join("facade.sock");
-    let _listener = std::os::unix::net::UnixListener::bind(&facade_socket).unwrap();
-    let facade_socket = facade_socket.display().to_string();
+    let facade_dir = facade_dir.path();
+    std::fs::create_dir_all(facade_dir.join("gitea-task-7")).unwrap();
+    std::fs::create_dir_all(facade_dir.join("gitea-task-8")).unwrap();
     let mut config = DockerConfig::unprivileged_loop_capable("gdr-runner:test");
     config.socket = docker.socket.display().to_string();
-    config.facade_socket = Some(facade_socket.clone());
     config.stop_seconds = 1;
+    config.memory = "512M".into();
+    config.cpus = "0.5".into();
+    config.pids_limit = 300;
     let driver = DockerDriver::connect(config).await.unwrap();
 
-    let first = driver.create(&spec("gitea-task-7", &facade_socket)).await.unwrap();
-    let again = driver.create(&spec("gitea-task-7", &facade_socket)).await.unwrap();
+    let first = driver.create(&spec("gitea-task-7", facade_dir)).await.unwrap();
+    let again = driver.create(&spec("gitea-task-7", facade_dir)).await.unwrap();
     assert_eq!(first, again);
     assert_eq!(first.phase, Phase::Running);
     assert_eq!(first.assignment_id, "gitea-task-7");
     let name = &first.name;
     let env = inspect(&docker, name, "{{json .Config.Env}}");
-    assert!(env.contains("CI_ASSIGNMENT_ID=gitea-task-7") && env.contains("CI_RUNNER_CAPABILITY=v1.capability"), "{env}");
+    assert!(env.contains("CI_ASSIGNMENT_ID=gitea-task-7") && env.contains("SUPERVISOR_STORAGE_SIZE=10G"), "{env}");
+    assert!(!env.contains("v1.capability"), "the capability is in the container's configuration: {env}");
     assert_eq!(inspect(&docker, name, "{{.HostConfig.Privileged}}"), "false");
     assert!(inspect(&docker, name, "{{json .HostConfig.DeviceCgroupRules}}").contains("c 10:237 rmw"));
-    assert!(inspect(&docker, name, "{{json .HostConfig.Binds}}").contains(&facade_socket));
+    let own = format!("{}:/run/gitea-dynamic-runner", facade_dir.join("gitea-task-7").display());
+    assert_eq!(inspect(&docker, name, "{{json .HostConfig.Binds}}"), format!("[\"{own}\"]"), "only its own facade directory is mounted");
+    let limits = inspect(&docker, name, "{{.HostConfig.Memory}} {{.HostConfig.MemorySwap}} {{.HostConfig.NanoCpus}} {{.HostConfig.PidsLimit}}");
+    assert_eq!(limits, "536870912 536870912 500000000 300");
 
-    driver.create(&spec("gitea-task-8", &facade_socket)).await.unwrap();
+    driver.create(&spec("gitea-task-8", facade_dir)).await.unwrap();
     let selector = BTreeMap::from([(driver::LABEL_PLACEMENT.to_owned(), "container.docker".to_owned())]);
     let mut listed: Vec<String> = driver.list(&selector).await.unwrap().into_iter().map(|e| e.assignment_id).collect();
     listed.sort();
@@ -83,7 +90,7 @@ async fn a_missing_image_is_a_clear_refusal() {
     let mut config = DockerConfig::unprivileged_loop_capable("gdr-runner:absent");
     config.socket = docker.socket.display().to_string();
     let driver = DockerDriver::connect(config).await.unwrap();
-    let error = driver.create(&spec("gitea-task-9", "/nonexistent")).await.unwrap_err();
+    let error = driver.create(&spec("gitea-task-9", std::path::Path::new("/nonexistent"))).await.unwrap_err();
     assert!(error.to_string().contains("gdr-runner:absent"), "{error}");
 }
 

@@ -109,7 +109,8 @@ async fn harness(jobs: usize, capacity: usize) -> Harness {
         .with_hold(Duration::from_millis(200)),
     );
     tokio::spawn(Arc::clone(&worker).run(shutdown.clone()));
-    let facade = Arc::new(Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), key, rules()));
+    // The hostile-input test sends thousands of reports for one assignment on purpose.
+    let facade = Arc::new(Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), key, rules()).with_report_limit(1e9, 1e9));
     let serving = Arc::clone(&facade);
     let serve_socket = socket.clone();
     let serve_shutdown = shutdown.clone();
@@ -168,6 +169,7 @@ async fn claim_forward_and_finish() {
 
     let first = h.client.claim(claim(&id, &capability, HOLDER)).await.unwrap().into_inner();
     let task = first.task.clone().unwrap();
+    let session = first.session.clone();
     assert!(h.fake.with(|s| s.tasks.contains_key(&task.id)));
     assert!(task.context.is_some() && task.workflow_payload.is_some());
     // An idempotent retry by the same holder gets the same task and claim time.
@@ -177,30 +179,37 @@ async fn claim_forward_and_finish() {
     let other = h.client.claim(claim(&id, &capability, "another-holder-0000000000")).await.unwrap_err();
     assert_eq!(other.code(), Code::FailedPrecondition, "{other}");
 
+    // Reports carry the session: the capability the environment was given only claims.
+    let log = runner::UpdateLogRequest { task_id: task.id, index: 0, rows: vec![runner::LogRow { time: None, content: "not sent".into() }], no_more: false };
+    let refused = h.client.update_log(UpdateLogRequest { credential: credential(&id, &capability), request: Some(log) }).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused}");
+    assert!(refused.message().contains("session"), "{refused}");
+    let status = h.client.claim(claim(&id, &session, HOLDER)).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "a session claims nothing: {status}");
+
     // UpdateLog goes to Gitea; its ack comes back.
     let log = runner::UpdateLogRequest { task_id: task.id, index: 0, rows: vec![runner::LogRow { time: None, content: "step 1".into() }], no_more: false };
-    let ack = h.client.update_log(UpdateLogRequest { credential: credential(&id, &capability), request: Some(log) }).await.unwrap().into_inner();
+    let ack = h.client.update_log(UpdateLogRequest { credential: credential(&id, &session), request: Some(log) }).await.unwrap().into_inner();
     assert_eq!(ack.response.unwrap().ack_index, 1);
     assert_eq!(h.fake.with(|s| s.tasks[&task.id].log.clone()), ["step 1"]);
 
     // A running UpdateTask, then Gitea cancels: the reply passes through unchanged, and
     // the assignment ends with it (the runner may send no final state at all).
     let running = runner::UpdateTaskRequest { state: Some(runner::TaskState { id: task.id, ..Default::default() }), outputs: Default::default() };
-    let reply =
-        h.client.update_task(UpdateTaskRequest { credential: credential(&id, &capability), request: Some(running.clone()) }).await.unwrap().into_inner();
+    let reply = h.client.update_task(UpdateTaskRequest { credential: credential(&id, &session), request: Some(running.clone()) }).await.unwrap().into_inner();
     assert_eq!(reply.response.unwrap().state.unwrap().result, TaskResult::Unspecified as i32);
     assert!(matches!(h.store.get(&id).await.unwrap().unwrap().value.state, State::Claimed { .. }));
     assert_eq!(h.runtime.pool.in_use(), 1);
     h.fake.cancel(task.id);
-    let reply = h.client.update_task(UpdateTaskRequest { credential: credential(&id, &capability), request: Some(running) }).await.unwrap().into_inner();
+    let reply = h.client.update_task(UpdateTaskRequest { credential: credential(&id, &session), request: Some(running) }).await.unwrap().into_inner();
     assert_eq!(reply.response.unwrap().state.unwrap().result, TaskResult::Cancelled as i32);
     assert_eq!(h.store.get(&id).await.unwrap().unwrap().value.state, State::Terminal { result: "RESULT_CANCELLED".into() });
-    assert_eq!(h.runtime.admission.usage(), (0, 0), "the scheduler may fetch again at once");
+    assert_eq!(h.runtime.admission.usage().0, 0, "the scheduler may fetch again at once (a fetch may already be in flight)");
 
     // The runner's last log rows and final state still reach Gitea while its
     // environment is retired.
     let last = runner::UpdateLogRequest { task_id: task.id, index: 1, rows: vec![runner::LogRow { time: None, content: "cleaning up".into() }], no_more: true };
-    h.client.update_log(UpdateLogRequest { credential: credential(&id, &capability), request: Some(last) }).await.unwrap();
+    h.client.update_log(UpdateLogRequest { credential: credential(&id, &session), request: Some(last) }).await.unwrap();
     let done = runner::UpdateTaskRequest {
         state: Some(runner::TaskState {
             id: task.id,
@@ -210,7 +219,7 @@ async fn claim_forward_and_finish() {
         }),
         outputs: Default::default(),
     };
-    h.client.update_task(UpdateTaskRequest { credential: credential(&id, &capability), request: Some(done) }).await.unwrap();
+    h.client.update_task(UpdateTaskRequest { credential: credential(&id, &session), request: Some(done) }).await.unwrap();
     h.fake.with(|s| {
         assert_eq!(s.tasks[&task.id].final_result, Some(TaskResult::Cancelled as i32));
         assert_eq!(s.tasks[&task.id].log, ["step 1", "cleaning up"]);
@@ -218,6 +227,15 @@ async fn claim_forward_and_finish() {
     });
     wait_until("the environment is retired", Duration::from_secs(5), || h.driver.live() == 0).await;
     wait_until("its pool slot is free", Duration::from_secs(5), || h.runtime.pool.in_use() == 0).await;
+
+    // Long after the end, a session kept by a job is worth nothing.
+    let ended_long_ago = controller::store::now_ms() - i64::try_from(facade::REPORTS_AFTER_END.as_millis()).unwrap() - 1000;
+    let stored = h.store.get(&id).await.unwrap().unwrap();
+    h.store.update(&controller::store::Record { updated_at_ms: ended_long_ago, ..stored.value }, stored.revision).await.unwrap();
+    let replay = runner::UpdateLogRequest { task_id: task.id, index: 2, rows: vec![runner::LogRow { time: None, content: "replayed".into() }], no_more: false };
+    let status = h.client.update_log(UpdateLogRequest { credential: credential(&id, &session), request: Some(replay) }).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
+    assert!(!h.fake.with(|s| s.tasks[&task.id].log.iter().any(|l| l == "replayed")), "a replayed report reached Gitea");
     h.shutdown.cancel();
 }
 
@@ -227,7 +245,8 @@ async fn refusals_have_the_right_status_codes() {
     let envs = environments(&h, 2).await;
     let (id, capability) = envs[0].clone();
     let (other_id, other_capability) = envs[1].clone();
-    let task = h.client.claim(claim(&id, &capability, HOLDER)).await.unwrap().into_inner().task.unwrap();
+    let claimed = h.client.claim(claim(&id, &capability, HOLDER)).await.unwrap().into_inner();
+    let (task, session) = (claimed.task.unwrap(), claimed.session);
     let other_task = h.client.claim(claim(&other_id, &other_capability, HOLDER)).await.unwrap().into_inner().task.unwrap();
 
     let key = CapabilityKey::from_bytes(KEY).unwrap();
@@ -249,10 +268,10 @@ async fn refusals_have_the_right_status_codes() {
 
     // Reports for another task id are refused, even with a valid credential.
     let foreign_state = runner::UpdateTaskRequest { state: Some(runner::TaskState { id: other_task.id, ..Default::default() }), outputs: Default::default() };
-    let status = h.client.update_task(UpdateTaskRequest { credential: credential(&id, &capability), request: Some(foreign_state) }).await.unwrap_err();
+    let status = h.client.update_task(UpdateTaskRequest { credential: credential(&id, &session), request: Some(foreign_state) }).await.unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied, "{status}");
     let foreign_log = runner::UpdateLogRequest { task_id: other_task.id, index: 0, rows: vec![], no_more: false };
-    let status = h.client.update_log(UpdateLogRequest { credential: credential(&id, &capability), request: Some(foreign_log) }).await.unwrap_err();
+    let status = h.client.update_log(UpdateLogRequest { credential: credential(&id, &session), request: Some(foreign_log) }).await.unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied, "{status}");
     assert!(h.fake.with(|s| s.tasks[&other_task.id].log.is_empty()), "a foreign log reached Gitea");
 
@@ -263,15 +282,25 @@ async fn refusals_have_the_right_status_codes() {
         .unwrap();
     let running = runner::UpdateTaskRequest { state: Some(runner::TaskState { id: task.id, ..Default::default() }), outputs: Default::default() };
     let updates_before = h.fake.with(|s| s.tasks[&task.id].updates);
-    let status = h.client.update_task(UpdateTaskRequest { credential: credential(&id, &capability), request: Some(running) }).await.unwrap_err();
+    let status = h.client.update_task(UpdateTaskRequest { credential: credential(&id, &session), request: Some(running) }).await.unwrap_err();
     assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
     assert!(status.message().contains("gitea.credential_dir") && status.message().contains("uuid-of-another-registration"), "{status}");
     assert_eq!(h.fake.with(|s| s.tasks[&task.id].updates), updates_before);
 
     // Oversized: a 5 MiB log batch.
     let huge = runner::UpdateLogRequest { task_id: task.id, index: 0, rows: vec![runner::LogRow { time: None, content: "x".repeat(5 << 20) }], no_more: false };
-    let status = h.client.update_log(UpdateLogRequest { credential: credential(&id, &capability), request: Some(huge) }).await.unwrap_err();
+    let status = h.client.update_log(UpdateLogRequest { credential: credential(&id, &session), request: Some(huge) }).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+
+    // On an environment's own socket only that environment's assignment is served: a
+    // capability copied from another job is refused there, for a claim and for reports.
+    let elsewhere = Peer::Environment { assignment_id: other_id.clone() };
+    let status = h.facade.claim(&elsewhere, claim(&id, &capability, HOLDER)).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status}");
+    let log = runner::UpdateLogRequest { task_id: task.id, index: 0, rows: vec![], no_more: false };
+    let status = h.facade.update_log(&elsewhere, UpdateLogRequest { credential: credential(&id, &session), request: Some(log) }).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status}");
+    assert!(h.facade.claim(&Peer::Environment { assignment_id: id.clone() }, claim(&id, &capability, HOLDER)).await.is_ok());
 
     // Over mTLS the peer's SPIFFE ID must be the assignment's identity.
     let peer = Peer::Spiffe("spiffe://example.org/ci/owner/other/build".into());
@@ -339,7 +368,8 @@ async fn reconciler_deletes_finished_environments_and_fails_tasks_whose_environm
 
     // One finishes normally (marked terminal by the facade), one dies on its own.
     let (done_id, done_capability) = envs[0].clone();
-    let task = h.client.claim(claim(&done_id, &done_capability, HOLDER)).await.unwrap().into_inner().task.unwrap();
+    let claimed = h.client.claim(claim(&done_id, &done_capability, HOLDER)).await.unwrap().into_inner();
+    let (task, done_session) = (claimed.task.unwrap(), claimed.session);
     let finished = runner::UpdateTaskRequest {
         state: Some(runner::TaskState {
             id: task.id,
@@ -349,8 +379,10 @@ async fn reconciler_deletes_finished_environments_and_fails_tasks_whose_environm
         }),
         outputs: Default::default(),
     };
-    h.client.update_task(UpdateTaskRequest { credential: credential(&done_id, &done_capability), request: Some(finished) }).await.unwrap();
-    let (dead_id, _) = envs[1].clone();
+    h.client.update_task(UpdateTaskRequest { credential: credential(&done_id, &done_session), request: Some(finished) }).await.unwrap();
+    // The other dies after its claim (one that dies before is made again: reconciler.rs).
+    let (dead_id, dead_capability) = envs[1].clone();
+    h.client.claim(claim(&dead_id, &dead_capability, HOLDER)).await.unwrap();
     let dead_task = controller::assignment::envelope::task_id_of(&dead_id).unwrap();
     {
         let mut recorded = h.driver.recorded.lock().unwrap();
@@ -423,7 +455,8 @@ async fn generated_requests_get_grpc_statuses() {
 
     let mut h = harness(1, 1).await;
     let (id, capability) = environments(&h, 1).await.remove(0);
-    let task = h.client.claim(claim(&id, &capability, HOLDER)).await.unwrap().into_inner().task.unwrap();
+    let claimed = h.client.claim(claim(&id, &capability, HOLDER)).await.unwrap().into_inner();
+    let (task, session) = (claimed.task.unwrap(), claimed.session);
     let socket = h._dir.path().join("facade.sock");
 
     let outcomes: Arc<std::sync::Mutex<std::collections::BTreeMap<Class, std::collections::BTreeMap<Outcome, usize>>>> = Arc::default();
@@ -434,7 +467,7 @@ async fn generated_requests_get_grpc_statuses() {
     let mut clients = tokio::task::JoinSet::new();
     for client in 0..16u64 {
         let (outcomes, samples, next, socket) = (Arc::clone(&outcomes), Arc::clone(&samples), Arc::clone(&next), socket.clone());
-        let mut generator = Generator::new(seed.wrapping_add(client), credential(&id, &capability), task.id);
+        let mut generator = Generator::new(seed.wrapping_add(client), credential(&id, &session), task.id);
         clients.spawn(async move {
             while next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < total {
                 let request = generator.generate();

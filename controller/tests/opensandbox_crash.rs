@@ -81,6 +81,7 @@ async fn killed_between_create_and_record_keeps_exactly_one_sandbox() {
 url = "{gitea}"
 registration_token_file = "{dir}/registration-token"
 credential_dir = "{dir}/runners"
+installation = "crash"
 fetch_interval = "100ms"
 reconcile_interval = "1s"
 
@@ -170,15 +171,15 @@ stale_after = "1s"
         ids.sort();
         ids
     };
-    let instance = controller::driver::instance_of(&gitea.url());
-    let environment = vec![controller::driver::environment_name(&instance, &id)];
+    let instance = "crash";
+    let environment = vec![controller::driver::environment_name(instance, &id)];
     assert_eq!(entry_ids(), environment, "the sandbox's entry is made before the sandbox");
     // What an earlier crash could have left: an entry whose sandbox never came.
-    let orphan = controller::driver::environment_name(&instance, "gitea-task-999");
+    let orphan = controller::driver::environment_name(instance, "gitea-task-999");
     let registrar = controller::spire::Registrar::new(
         toml::from_str(&format!("server_socket = \"{}\"\nparent_id = \"spiffe://example.org/x\"", spire.socket().display())).unwrap(),
         controller::assignment::Placement::VM_OPENSANDBOX,
-        &instance,
+        instance,
     );
     registrar.register(&orphan, "spiffe://example.org/ci/o/r/gone").await.unwrap();
 

@@ -34,6 +34,7 @@ fn spec(assignment_id: &str) -> EnvironmentSpec {
             ("CI_RUNNER_CAPABILITY".to_owned(), "v1.capability".to_owned()),
             ("CI_RUNNER_FACADE_URL".to_owned(), "http://10.0.0.1:9444".to_owned()),
         ]),
+        ..EnvironmentSpec::default()
     }
 }
 

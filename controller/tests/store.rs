@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use controller::assignment::Placement;
-use controller::store::{Delivery, Record, State, Store, StoreError, embedded::Embedded, jetstream::JetStream};
+use controller::store::{Delivery, Record, State, Store, StoreError, embedded::Embedded, jetstream::JetStream, now_ms};
 
 const DOCKER: Placement = Placement::CONTAINER_DOCKER;
 const FIRECRACKER: Placement = Placement::VM_OPENSANDBOX;
@@ -34,6 +34,10 @@ trait Backend: Send + Sync {
     /// Opens the store. Called again after every handle of the previous store (consumers
     /// and deliveries included) was dropped, it reopens the same storage.
     async fn open(&self, ack_wait: Duration) -> Box<dyn Store>;
+    /// JetStream: a message is at most the servers' max_payload.
+    fn has_payload_limit(&self) -> bool;
+    /// JetStream: the finished bucket ages its records out by itself.
+    fn prunes_itself(&self) -> bool;
 }
 
 struct EmbeddedBackend {
@@ -55,6 +59,12 @@ impl Backend for EmbeddedBackend {
     async fn open(&self, ack_wait: Duration) -> Box<dyn Store> {
         Box::new(Embedded::open(&self.path()).expect("open redb store").with_ack_wait(ack_wait))
     }
+    fn has_payload_limit(&self) -> bool {
+        false
+    }
+    fn prunes_itself(&self) -> bool {
+        false
+    }
 }
 
 struct JetStreamBackend {
@@ -71,6 +81,12 @@ impl JetStreamBackend {
 impl Backend for JetStreamBackend {
     async fn open(&self, ack_wait: Duration) -> Box<dyn Store> {
         Box::new(JetStream::connect(&self.server.url, "ci.assignments", "assignments", ack_wait).await.expect("connect to JetStream"))
+    }
+    fn has_payload_limit(&self) -> bool {
+        true
+    }
+    fn prunes_itself(&self) -> bool {
+        true
     }
 }
 
@@ -90,6 +106,9 @@ fn record(n: u64, placement: Placement) -> Record {
         runner: String::new(),
         phase: None,
         timeline: Vec::new(),
+        reason: None,
+        ended_at_ms: 0,
+        attempts: 0,
     }
 }
 
@@ -369,6 +388,85 @@ mod cases {
         assert_eq!(listed[1].value, claimed(record(31, FIRECRACKER)));
     }
 
+    /// A record that ends leaves the live list (what every sweep reads) for the finished
+    /// ones, keeps its reason, survives a reopen, and goes once pruned.
+    pub async fn finished_records_leave_the_live_list(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        for n in [40, 41] {
+            store.persist(&record(n, DOCKER)).await.unwrap();
+        }
+        let current = store.get(&id(40)).await.unwrap().unwrap();
+        let ended = current.value.ended("RESULT_FAILURE".into(), Some("the job's environment ended"));
+        let revision = store.update(&ended, current.revision).await.unwrap();
+        let live: Vec<String> = store.list().await.unwrap().into_iter().map(|r| r.value.assignment_id).collect();
+        assert_eq!(live, [id(41)], "finished records are not in the live list");
+        let read = store.get(&id(40)).await.unwrap().unwrap();
+        assert_eq!(read.revision, revision);
+        assert_eq!(read.value.reason.as_deref(), Some("the job's environment ended"));
+        assert!(read.value.ended_at_ms > 0);
+        // A phase reported after the end is still recorded, where the record is.
+        let mut later = read.value.clone();
+        later.timeline.push(("runner_exited".into(), 1));
+        let revision = store.update(&later, read.revision).await.unwrap();
+        assert_eq!(store.get(&id(40)).await.unwrap().unwrap().revision, revision);
+        // Persisting it again (a retried fetch) neither revives it nor queues it.
+        assert!(!store.persist(&record(40, DOCKER)).await.unwrap());
+        let mut consumer = store.consumer(DOCKER, 4).await.unwrap();
+        assert_eq!(drain(&mut consumer).await, [id(40), id(41)], "the first persist's messages, no new one");
+        drop(consumer);
+        drop(store);
+
+        let store = backend.open(NO_REDELIVERY).await;
+        let finished: Vec<String> = store.list_finished().await.unwrap().into_iter().map(|r| r.value.assignment_id).collect();
+        assert_eq!(finished, [id(40)]);
+        assert_eq!(store.list().await.unwrap().len(), 1);
+        let pruned = store.prune(super::now_ms() + 1000).await.unwrap();
+        if backend.prunes_itself() {
+            assert_eq!(pruned, 0, "the finished bucket's age limit prunes");
+        } else {
+            assert_eq!(pruned, 1);
+            assert!(store.get(&id(40)).await.unwrap().is_none());
+            assert!(store.list_finished().await.unwrap().is_empty());
+        }
+    }
+
+    /// A pending assignment queued again (its environment ended before the claim) is
+    /// delivered once more; the same requeue repeated adds nothing.
+    pub async fn requeue_delivers_once_more(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        let mut consumer = store.consumer(DOCKER, 4).await.unwrap();
+        store.persist(&record(50, DOCKER)).await.unwrap();
+        next(&mut consumer, "the first delivery").await.ack().await.unwrap();
+        nothing(&mut consumer, "after the ack").await;
+        let pending = store.get(&id(50)).await.unwrap().unwrap().value;
+        store.requeue(&pending, 1).await.unwrap();
+        store.requeue(&pending, 1).await.unwrap();
+        let again = next(&mut consumer, "the requeued delivery").await;
+        assert_eq!(again.assignment_id(), id(50));
+        again.ack().await.unwrap();
+        nothing(&mut consumer, "a second copy").await;
+    }
+
+    /// A record no server takes is refused as too large at once (no retry loop), with
+    /// what to do; a large task that fits is stored.
+    pub async fn records_that_cannot_be_stored_are_too_large(backend: &dyn Backend) {
+        let store = backend.open(NO_REDELIVERY).await;
+        let mut fits = record(60, DOCKER);
+        fits.envelope = "x".repeat(700 << 10).into_bytes();
+        store.persist(&fits).await.unwrap();
+        assert_eq!(store.get(&id(60)).await.unwrap().unwrap().value.envelope.len(), 700 << 10);
+        let mut huge = record(61, DOCKER);
+        huge.envelope = "x".repeat(3 << 20).into_bytes();
+        match store.persist(&huge).await {
+            Err(StoreError::TooLarge { size, hint, .. }) if backend.has_payload_limit() => {
+                assert!(size > 3 << 20, "{size}");
+                assert!(hint.contains("max_payload"));
+            }
+            Ok(_) if !backend.has_payload_limit() => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
     /// Two workers of one placement (two processes, on JetStream) share its queue: each
     /// assignment goes to exactly one of them.
     pub async fn two_consumers_share_one_queue(backend: &dyn Backend) {
@@ -442,4 +540,59 @@ suite!(
     placements_are_separate_queues,
     list_returns_all_records,
     leases_have_one_holder,
+    finished_records_leave_the_live_list,
+    requeue_delivers_once_more,
+    records_that_cannot_be_stored_are_too_large,
 );
+
+/// The redb file holds tasks with their secrets: only its owner may read it, also when
+/// an earlier build created it with the default umask. Records written by an earlier
+/// build (the envelope as an array of byte values, finished records among the live
+/// ones) read back, and the finished ones move out of the live list at open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redb_file_is_private_and_earlier_records_read_back() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.redb");
+    {
+        let store = Embedded::open(&path).unwrap();
+        store.persist(&record(70, DOCKER)).await.unwrap();
+    }
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    {
+        // An earlier build's records, written straight into its table.
+        let db = redb::Database::create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut records = txn.open_table(redb::TableDefinition::<&str, (u64, &[u8])>::new("records")).unwrap();
+            for (n, state) in [(71, r#"{"state":"pending"}"#), (72, r#"{"state":"terminal","result":"RESULT_SUCCESS"}"#)] {
+                let old = format!(
+                    r#"{{"assignment_id":"gitea-task-{n}","placement":"container.docker","runner":"","state":{state},"envelope":[123,125],"environment":null,"updated_at_ms":5,"created_at_ms":5}}"#
+                );
+                records.insert(format!("gitea-task-{n}").as_str(), (3u64, old.as_bytes())).unwrap();
+            }
+        }
+        txn.commit().unwrap();
+    }
+    let store = Embedded::open(&path).unwrap();
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600, "an existing file is made private");
+    let old = store.get(&id(71)).await.unwrap().unwrap();
+    assert_eq!((old.value.envelope.as_slice(), old.revision), (b"{}".as_slice(), 3));
+    let mut live: Vec<String> = store.list().await.unwrap().into_iter().map(|r| r.value.assignment_id).collect();
+    live.sort();
+    assert_eq!(live, [id(70), id(71)]);
+    let finished = store.list_finished().await.unwrap();
+    assert_eq!(finished.len(), 1);
+    assert_eq!(finished[0].value.assignment_id, id(72));
+    // New records keep the envelope as text, not as an array of numbers.
+    let mut text = record(73, DOCKER);
+    text.envelope = br#"{"version":2,"task":"CAE="}"#.to_vec();
+    store.persist(&text).await.unwrap();
+    drop(store);
+    let db = redb::Database::create(&path).unwrap();
+    let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
+    let table = txn.open_table(redb::TableDefinition::<&str, (u64, &[u8])>::new("records")).unwrap();
+    let stored = String::from_utf8(table.get(id(73).as_str()).unwrap().unwrap().value().1.to_vec()).unwrap();
+    assert!(stored.contains(r#""envelope":"{\"version\":2,\"task\":\"CAE=\"}""#), "{stored}");
+}

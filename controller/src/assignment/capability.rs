@@ -194,6 +194,29 @@ impl CapabilityKey {
     }
 }
 
+impl CapabilityKey {
+    /// The proof that this key's installation made the environment `name` (the value of
+    /// `driver::LABEL_PROOF`): 22 characters of base64url MAC, valid as a Kubernetes label.
+    pub fn prove(&self, name: &str) -> String {
+        let tag = hmac::sign(&self.key, format!("environment\n{name}").as_bytes());
+        URL_SAFE_NO_PAD.encode(&tag.as_ref()[..16])
+    }
+
+    /// Whether `proof` is this key's proof for `name`.
+    pub fn proves(&self, name: &str, proof: &str) -> bool {
+        let expected = self.prove(name);
+        // Constant time: every byte is compared whatever the first difference.
+        expected.len() == proof.len() && expected.bytes().zip(proof.bytes()).fold(0u8, |differs, (a, b)| differs | (a ^ b)) == 0
+    }
+}
+
+/// What a session capability is bound to: the assignment id and a scope no assignment
+/// id can spell (ids are `[A-Za-z0-9._-]`), so the capability an environment was given
+/// never verifies as a session and a session never claims.
+pub fn session_scope(assignment_id: &str) -> String {
+    format!("{assignment_id}/session")
+}
+
 fn signed_message(assignment_id: &str, expires: &str) -> String {
     format!("v1\n{assignment_id}\n{expires}")
 }
@@ -278,6 +301,29 @@ mod tests {
             assert!(key.verify(&key.issue(id, exp), id, exp - 1).is_ok(), "{id}");
         }
         assert!(matches!(key.verify(&key.issue(ID, 0), ID, 0), Err(CapabilityError::Expired { expires_at: 0, now: 0 })));
+    }
+
+    #[test]
+    fn a_proof_names_one_environment_of_one_key() {
+        let (key, other) = (key(), CapabilityKey::from_bytes(&[b'o'; 32]).unwrap());
+        let proof = key.prove("gdr-abc-gitea-task-1");
+        assert_eq!(proof.len(), 22);
+        assert!(proof.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'), "not a valid label value: {proof}");
+        assert!(key.proves("gdr-abc-gitea-task-1", &proof));
+        assert!(!key.proves("gdr-abc-gitea-task-2", &proof));
+        assert!(!other.proves("gdr-abc-gitea-task-1", &proof));
+        assert!(!key.proves("gdr-abc-gitea-task-1", ""));
+    }
+
+    #[test]
+    fn a_session_and_the_environments_capability_never_stand_in_for_each_other() {
+        let key = key();
+        let given = key.issue(ID, EXP);
+        let session = key.issue(&session_scope(ID), EXP);
+        assert!(key.verify(&given, ID, 0).is_ok() && key.verify(&session, &session_scope(ID), 0).is_ok());
+        assert!(matches!(key.verify(&given, &session_scope(ID), 0), Err(CapabilityError::WrongAssignment { .. })));
+        assert!(matches!(key.verify(&session, ID, 0), Err(CapabilityError::WrongAssignment { .. })));
+        assert!(key.verify(&session, &session_scope("gitea-task-2"), 0).is_err());
     }
 
     #[test]

@@ -246,6 +246,36 @@ impl Assignment {
     }
 }
 
+/// Context fields that carry credentials of the job (the job token and the Actions
+/// runtime's), and the event payload (large, and of no use once the job ended).
+const CONTEXT_DROPPED_AT_END: [&str; 3] = ["token", "gitea_runtime_token", "event"];
+
+/// The envelope of a finished assignment: the same envelope with the task's secrets,
+/// its job tokens and its event payload removed (the digest recomputed), so a record
+/// kept for operators holds no credential and stays small. It still decodes: id,
+/// placement and identity derive from what is left. An envelope that cannot be read is
+/// returned empty (a corrupt record keeps nothing).
+pub fn redacted(bytes: &[u8]) -> Vec<u8> {
+    let redact = || -> Option<Vec<u8>> {
+        let mut value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+        let task_bytes = STANDARD.decode(value.get("task")?.as_str()?).ok()?;
+        let mut task = Task::decode(task_bytes.as_slice()).ok()?;
+        task.secrets.clear();
+        if let Some(context) = task.context.as_mut() {
+            for field in CONTEXT_DROPPED_AT_END {
+                context.fields.remove(field);
+            }
+        }
+        let task_bytes = task.encode_to_vec();
+        value["task"] = serde_json::Value::String(STANDARD.encode(&task_bytes));
+        if value.get("task_sha256").is_some() {
+            value["task_sha256"] = serde_json::Value::String(sha256_hex(&task_bytes));
+        }
+        Some(value.to_string().into_bytes())
+    };
+    redact().unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use prost_types::{Struct, Value, value::Kind};
@@ -374,6 +404,28 @@ mod tests {
             let bytes = assignment.encode();
             assert_eq!(Assignment::decode(&bytes, &rules(TD)).unwrap(), assignment);
         }
+    }
+
+    #[test]
+    fn a_finished_assignment_keeps_no_credential_and_still_decodes() {
+        let mut with_tokens = task(42, "[self-hosted, container, docker]");
+        let s = |v: &str| Value { kind: Some(Kind::StringValue(v.to_owned())) };
+        let context = with_tokens.context.as_mut().unwrap();
+        context.fields.insert("token".into(), s("job-token-secret"));
+        context.fields.insert("gitea_runtime_token".into(), s("runtime-token-secret"));
+        context.fields.insert("event".into(), s(&"e".repeat(100_000)));
+        let assignment = Assignment::from_task(with_tokens, &rules(TD)).unwrap();
+        let full = assignment.encode();
+        let redacted = redacted(&full);
+        let decoded = Assignment::decode(&redacted, &rules(TD)).unwrap();
+        let task_bytes = decoded.task.encode_to_vec();
+        for secret in ["s3cr3t-token", "job-token-secret", "runtime-token-secret"] {
+            assert!(!task_bytes.windows(secret.len()).any(|w| w == secret.as_bytes()), "{secret} kept");
+        }
+        assert!(decoded.task.secrets.is_empty());
+        assert_eq!((decoded.id.as_str(), decoded.placement, &decoded.identity), (assignment.id.as_str(), assignment.placement, &assignment.identity));
+        assert!(redacted.len() * 10 < full.len(), "the event payload stays: {} of {} bytes", redacted.len(), full.len());
+        assert!(self::redacted(b"not an envelope").is_empty());
     }
 
     #[test]

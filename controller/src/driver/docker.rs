@@ -3,11 +3,20 @@
 //!
 //! The container's name derives from the assignment id, so a repeated create finds the
 //! first container (409 → inspect) instead of making a second one; its labels carry
-//! the assignment for recovery. Privileged by default; hosts that refuse
-//! `--privileged` (no CAP_SYS_RESOURCE in the bounding set, for example) configure an
-//! explicit capability and device list instead — the supervisor needs loop devices
-//! and mount for its storage and a nested dockerd. A terminal container is stopped and
-//! removed with its storage (the loop-backed image lives in the container).
+//! the assignment for recovery. A terminal container is stopped and removed with its
+//! storage (the loop-backed image lives in the container).
+//!
+//! Two kinds of container (docs/security.md):
+//! - by default an unprivileged one — Docker's default capabilities less those a job
+//!   never needs, its default seccomp and AppArmor profiles, `no-new-privileges` — and no
+//!   job-local dockerd: fit for untrusted code;
+//! - with `job_dockerd = true` a container that can mount loop devices and run its own
+//!   dockerd: `privileged`, or (hosts that refuse `--privileged`) an explicit capability
+//!   and device list. A job step is root on the host there: trusted code only.
+//!
+//! Every container is bounded (memory, CPUs, processes, the size of its loop-backed
+//! storage): it shares the host with the controller and the other jobs. Its own facade
+//! directory (`facade::sockets`) is mounted at `contract::facade::ENVIRONMENT_DIR`.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -31,8 +40,13 @@ pub struct DockerConfig {
     pub socket: String,
     /// The runner image (supervisor as ENTRYPOINT).
     pub image: String,
-    /// `--privileged`; when false, the explicit lists below apply.
-    #[serde(default = "default_true")]
+    /// Every job gets its own dockerd (`docker build`, `docker run` in steps). That needs
+    /// `privileged = true` or the explicit lists below, and makes a job step root on this
+    /// host: for trusted code only. Off by default.
+    #[serde(default)]
+    pub job_dockerd: bool,
+    /// `--privileged` (with `job_dockerd`); when false, the explicit lists below apply.
+    #[serde(default)]
     pub privileged: bool,
     #[serde(default)]
     pub cap_add: Vec<String>,
@@ -43,27 +57,65 @@ pub struct DockerConfig {
     /// e.g. `b 7:* rmw` (loop devices) and `c 10:237 rmw` (loop-control).
     #[serde(default)]
     pub device_cgroup_rules: Vec<String>,
-    /// The facade's unix socket on the host, mounted at the same path inside.
-    pub facade_socket: Option<String>,
     /// Docker network for the containers (default: Docker's default bridge).
     pub network: Option<String>,
-    /// Seconds a terminal container gets to stop before it is killed.
+    /// Seconds a terminal container gets to stop before it is killed: more than the
+    /// supervisor's drain (25 s), so it ends the job's dockerd and storage itself.
     #[serde(default = "default_stop_seconds")]
     pub stop_seconds: i32,
+    /// Memory of one container, job and its dockerd together (`--memory`), e.g. `4G`.
+    #[serde(default = "default_memory")]
+    pub memory: String,
+    /// CPUs of one container (`--cpus`), e.g. `2` or `0.5`.
+    #[serde(default = "default_cpus")]
+    pub cpus: String,
+    /// Processes of one container (`--pids-limit`): a fork bomb stops there.
+    #[serde(default = "default_pids")]
+    pub pids_limit: i64,
+    /// The job's loop-backed storage for its dockerd (SUPERVISOR_STORAGE_SIZE): a sparse
+    /// file in the container's writable layer that grows up to this.
+    #[serde(default = "default_storage_size")]
+    pub storage_size: String,
 }
+
+/// Capabilities of Docker's default set that an environment without a job-local dockerd
+/// never needs (the supervisor keeps SETUID/SETGID/CHOWN/FOWNER/DAC_OVERRIDE/KILL to start
+/// the agent as the runner uid).
+const UNNEEDED_CAPABILITIES: [&str; 6] = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP", "SYS_CHROOT", "NET_BIND_SERVICE"];
 
 fn default_socket() -> String {
     "/var/run/docker.sock".into()
 }
-fn default_true() -> bool {
-    true
-}
 fn default_stop_seconds() -> i32 {
-    10
+    30
+}
+fn default_memory() -> String {
+    "4G".into()
+}
+fn default_cpus() -> String {
+    "2".into()
+}
+fn default_pids() -> i64 {
+    4096
+}
+fn default_storage_size() -> String {
+    "10G".into()
 }
 
 impl DockerConfig {
-    /// `--privileged` with the defaults.
+    /// An unprivileged container without a job-local dockerd (the default).
+    pub fn unprivileged(image: &str) -> DockerConfig {
+        DockerConfig {
+            job_dockerd: false,
+            cap_add: Vec::new(),
+            cap_drop: Vec::new(),
+            security_opt: Vec::new(),
+            device_cgroup_rules: Vec::new(),
+            ..DockerConfig::unprivileged_loop_capable(image)
+        }
+    }
+
+    /// `--privileged` with a job-local dockerd.
     pub fn privileged(image: &str) -> DockerConfig {
         DockerConfig {
             privileged: true,
@@ -81,15 +133,87 @@ impl DockerConfig {
         DockerConfig {
             socket: default_socket(),
             image: image.to_owned(),
+            job_dockerd: true,
             privileged: false,
             cap_add: vec!["ALL".into()],
             cap_drop: vec!["SYS_RESOURCE".into()],
             security_opt: vec!["seccomp=unconfined".into(), "apparmor=unconfined".into()],
             device_cgroup_rules: vec!["b 7:* rmw".into(), "c 10:237 rmw".into()],
-            facade_socket: None,
             network: None,
             stop_seconds: default_stop_seconds(),
+            memory: default_memory(),
+            cpus: default_cpus(),
+            pids_limit: default_pids(),
+            storage_size: default_storage_size(),
         }
+    }
+
+    /// The limits as Docker takes them: (memory bytes, nano-CPUs).
+    ///
+    /// # Errors
+    /// The setting that is wrong, and why.
+    pub fn limits(&self) -> Result<(i64, i64), (String, String)> {
+        let memory = contract::units::parse_size(&self.memory).map_err(|m| ("docker.memory".to_owned(), m))?;
+        if memory < 256 << 20 {
+            return Err(("docker.memory".into(), format!("{:?} is too little for a job and its dockerd: at least 256M", self.memory)));
+        }
+        let cpus: f64 = self.cpus.trim().parse().map_err(|_| ("docker.cpus".to_owned(), format!("{:?} is not a number of CPUs, e.g. 2 or 0.5", self.cpus)))?;
+        if !(0.01..=1024.0).contains(&cpus) {
+            return Err(("docker.cpus".into(), format!("{:?} must be between 0.01 and 1024", self.cpus)));
+        }
+        Ok((i64::try_from(memory).unwrap_or(i64::MAX), (cpus * 1e9) as i64))
+    }
+
+    /// # Errors
+    /// The setting that is wrong, and why.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        self.limits()?;
+        if self.job_dockerd && !self.privileged && self.cap_add.is_empty() {
+            return Err((
+                "docker.job_dockerd".into(),
+                "a job-local dockerd needs a container that mounts loop devices: set privileged = true, or the capability and device lists \
+                 (cap_add = [\"ALL\"], device_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"], security_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"])"
+                    .into(),
+            ));
+        }
+        if !self.job_dockerd && (self.privileged || !self.cap_add.is_empty() || !self.device_cgroup_rules.is_empty()) {
+            return Err((
+                "docker.privileged".into(),
+                "privileges and capability lists are for a job-local dockerd only: set job_dockerd = true (trusted code only), or remove them".into(),
+            ));
+        }
+        if self.pids_limit < 64 {
+            return Err(("docker.pids_limit".into(), format!("{} is too few for a job and its dockerd: at least 64", self.pids_limit)));
+        }
+        let storage = contract::units::parse_size(&self.storage_size).map_err(|m| ("docker.storage_size".to_owned(), m))?;
+        if storage < 1 << 30 {
+            return Err(("docker.storage_size".into(), format!("{:?} is too small for a job's images: at least 1G", self.storage_size)));
+        }
+        Ok(())
+    }
+
+    /// What a job step can reach in these containers, said once at start (docs/security.md).
+    pub fn trust_notice(&self) -> Option<String> {
+        self.job_dockerd.then(|| {
+            let how = if self.privileged { "privileged containers" } else { "containers with the capability list" };
+            format!(
+                "container.docker: jobs get their own dockerd in {how}: a job step can become root on this host and read the controller's \
+                 credentials, capability key and store; run only trusted code here (docs/security.md)"
+            )
+        })
+    }
+
+    /// [`DockerConfig::validate`] and what only a configuration file must hold (tests and
+    /// run-local stop their containers sooner).
+    ///
+    /// # Errors
+    /// The setting that is wrong, and why.
+    pub fn validate_configured(&self) -> Result<(), (String, String)> {
+        self.validate()?;
+        if self.stop_seconds < 30 {
+            return Err(("docker.stop_seconds".into(), format!("{} is shorter than the supervisor's drain (25 s): at least 30", self.stop_seconds)));
+        }
+        Ok(())
     }
 }
 
@@ -107,6 +231,7 @@ impl DockerDriver {
     /// When the socket is missing or the daemon does not answer.
     pub async fn connect(config: DockerConfig) -> Result<Self, DriverError> {
         let unavailable = |detail: String| DriverError::Unavailable { placement: Placement::CONTAINER_DOCKER.to_string(), detail };
+        config.validate().map_err(|(setting, message)| unavailable(format!("{setting}: {message}")))?;
         let docker = Docker::connect_with_unix(&config.socket, 120, bollard::API_DEFAULT_VERSION)
             .map_err(|e| unavailable(format!("cannot use the Docker socket {}: {e}", config.socket)))?
             .negotiate_version()
@@ -128,15 +253,34 @@ impl DockerDriver {
 
     fn body(&self, spec: &EnvironmentSpec) -> ContainerCreateBody {
         let mut binds = Vec::new();
-        if let Some(socket) = &self.config.facade_socket {
-            binds.push(format!("{socket}:{socket}"));
+        if let Some(facade_dir) = &spec.facade_dir {
+            // Read-write: PID 1 removes the capability file once it has read it.
+            binds.push(format!("{}:{}", facade_dir.host.display(), contract::facade::ENVIRONMENT_DIR));
         }
         let config = &self.config;
+        // Validated when the configuration was read.
+        let (memory, nano_cpus) = config.limits().unwrap_or((4 << 30, 2_000_000_000));
+        let mut env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let (cap_drop, security_opt) = if config.job_dockerd {
+            env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
+            (config.cap_drop.clone(), config.security_opt.clone())
+        } else {
+            env.push("SUPERVISOR_DOCKER=false".to_owned());
+            // Docker's default set less what neither the supervisor nor a job needs; no
+            // setuid binary may raise a step's privileges.
+            let drop = UNNEEDED_CAPABILITIES.iter().map(|c| (*c).to_owned()).chain(config.cap_drop.iter().cloned()).collect();
+            (drop, std::iter::once("no-new-privileges".to_owned()).chain(config.security_opt.iter().cloned()).collect())
+        };
         let host_config = HostConfig {
-            privileged: Some(config.privileged),
+            memory: Some(memory),
+            // No swap beyond the memory limit: a job that needs more fails, not the host.
+            memory_swap: Some(memory),
+            nano_cpus: Some(nano_cpus),
+            pids_limit: Some(config.pids_limit),
+            privileged: Some(config.job_dockerd && config.privileged),
             cap_add: (!config.privileged && !config.cap_add.is_empty()).then(|| config.cap_add.clone()),
-            cap_drop: (!config.privileged && !config.cap_drop.is_empty()).then(|| config.cap_drop.clone()),
-            security_opt: (!config.security_opt.is_empty()).then(|| config.security_opt.clone()),
+            cap_drop: (!config.privileged && !cap_drop.is_empty()).then_some(cap_drop),
+            security_opt: (!security_opt.is_empty()).then_some(security_opt),
             device_cgroup_rules: (!config.privileged && !config.device_cgroup_rules.is_empty()).then(|| config.device_cgroup_rules.clone()),
             binds: (!binds.is_empty()).then_some(binds),
             network_mode: config.network.clone(),
@@ -146,7 +290,7 @@ impl DockerDriver {
         };
         ContainerCreateBody {
             image: Some(config.image.clone()),
-            env: Some(spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect()),
+            env: Some(env),
             labels: Some(spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
             host_config: Some(host_config),
             ..Default::default()

@@ -46,6 +46,13 @@ const CONTAINER: &str = "job";
 const CANNOT_START: [&str; 7] =
     ["ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"];
 
+/// Waiting reasons a registry causes for a while (a rate limit, a registry restarting):
+/// the kubelet retries the pull with a back-off, so the Pod counts as starting until it
+/// is older than [`PULL_PATIENCE`].
+const PULLING: [&str; 2] = ["ErrImagePull", "ImagePullBackOff"];
+/// How long a Pod may wait for its image before its task is failed.
+pub const PULL_PATIENCE: Duration = Duration::from_secs(5 * 60);
+
 /// `[kubernetes]`: how job Pods are made.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -63,7 +70,15 @@ pub struct KubernetesConfig {
     /// The supervisor and the runner (the image's ENTRYPOINT and CMD by default).
     #[serde(default = "super::default_command")]
     pub command: Vec<String>,
-    /// `privileged: true`; when false, `capabilities` apply instead.
+    /// Every job gets its own dockerd (`docker build`, `docker run` in steps). That needs
+    /// `privileged` or the `capabilities` list and makes a job step root on its node:
+    /// trusted code only. Off by default: the Pod drops every capability but those the
+    /// supervisor needs to start the runner, with the runtime's seccomp profile and no
+    /// privilege escalation (the jobs namespace can enforce the `baseline` Pod Security
+    /// level).
+    #[serde(default)]
+    pub job_dockerd: bool,
+    /// `privileged: true` (with `job_dockerd`); when false, `capabilities` apply instead.
     #[serde(default = "default_true")]
     pub privileged: bool,
     /// Capabilities added when not privileged (the supervisor mounts its loop-backed
@@ -178,7 +193,22 @@ fn default_workload_mount() -> String {
     "/run/spire/agent-sockets".into()
 }
 
+/// What the supervisor needs without a job-local dockerd: start the agent as the runner
+/// uid and own its directories.
+const SUPERVISOR_CAPABILITIES: [&str; 6] = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID"];
+
 impl KubernetesConfig {
+    /// What a job step can reach in these Pods, said once at start (docs/security.md).
+    pub fn trust_notice(&self) -> Option<String> {
+        self.job_dockerd.then(|| {
+            let how = if self.privileged { "privileged Pods" } else { "Pods with the capability list and no seccomp" };
+            format!(
+                "container.kubernetes: jobs get their own dockerd in {how}: a job step can become root on its node and reach the Pods, \
+                 SVIDs and capabilities of every job on that node; run only trusted code here (docs/security.md)"
+            )
+        })
+    }
+
     /// # Errors
     /// The setting that is wrong, and why.
     pub fn validate(&self) -> Result<(), (String, String)> {
@@ -195,8 +225,8 @@ impl KubernetesConfig {
         if self.command.is_empty() {
             return invalid("command", "must name the supervisor (the default does)".into());
         }
-        if !self.privileged && self.capabilities.is_empty() {
-            return invalid("capabilities", "an unprivileged job Pod needs capabilities to mount its storage and run dockerd".into());
+        if self.job_dockerd && !self.privileged && self.capabilities.is_empty() {
+            return invalid("capabilities", "a job-local dockerd needs privileged = true or capabilities to mount its storage and run dockerd".into());
         }
         for (setting, value) in [("cpu", &self.cpu), ("memory", &self.memory), ("work_size_limit", &self.work_size_limit)] {
             if let Some(value) = value
@@ -320,8 +350,22 @@ impl KubernetesDriver {
     pub fn pod(&self, spec: &EnvironmentSpec) -> Pod {
         let config = &self.config;
         let mut env: Vec<EnvVar> = config.env.iter().map(|(k, v)| EnvVar { name: k.clone(), value: Some(v.clone()), ..Default::default() }).collect();
+        if !config.job_dockerd {
+            env.push(EnvVar { name: "SUPERVISOR_DOCKER".into(), value: Some("false".into()), ..Default::default() });
+        }
         env.extend(spec.env.iter().map(|(k, v)| EnvVar { name: k.clone(), value: Some(v.clone()), ..Default::default() }));
-        let security_context = if config.privileged {
+        let security_context = if !config.job_dockerd {
+            SecurityContext {
+                privileged: Some(false),
+                allow_privilege_escalation: Some(false),
+                capabilities: Some(Capabilities {
+                    add: Some(SUPERVISOR_CAPABILITIES.iter().map(|c| (*c).to_owned()).collect()),
+                    drop: Some(vec!["ALL".into()]),
+                }),
+                seccomp_profile: Some(k8s_openapi::api::core::v1::SeccompProfile { type_: "RuntimeDefault".into(), localhost_profile: None }),
+                ..Default::default()
+            }
+        } else if config.privileged {
             SecurityContext { privileged: Some(true), ..Default::default() }
         } else {
             SecurityContext {
@@ -498,7 +542,7 @@ fn phase_without_deletion(pod: &Pod) -> (Phase, String) {
             (Phase::Exited, parts.join("; "))
         }
         _ => {
-            if let Some(waiting) = container.as_ref().and_then(cannot_start) {
+            if let Some(waiting) = container.as_ref().and_then(|c| cannot_start(c, age_of(pod))) {
                 return (Phase::Exited, waiting);
             }
             if let Some(terminated) = container.as_ref().and_then(terminated_detail) {
@@ -507,6 +551,13 @@ fn phase_without_deletion(pod: &Pod) -> (Phase, String) {
             (Phase::Running, String::new())
         }
     }
+}
+
+/// How long ago the Pod was created (zero if it does not say).
+fn age_of(pod: &Pod) -> Duration {
+    let Some(created) = pod.metadata.creation_timestamp.as_ref() else { return Duration::ZERO };
+    let now = k8s_openapi::jiff::Timestamp::now();
+    Duration::try_from(now.duration_since(created.0)).unwrap_or(Duration::ZERO)
 }
 
 /// "the job container exited with code 137 (OOMKilled)".
@@ -525,9 +576,12 @@ fn terminated_detail(container: &ContainerStatus) -> Option<String> {
 }
 
 /// "the job container cannot start: ErrImageNeverPull: Container image … is not present".
-fn cannot_start(container: &ContainerStatus) -> Option<String> {
+fn cannot_start(container: &ContainerStatus, age: Duration) -> Option<String> {
     let waiting = container.state.as_ref().and_then(|s| s.waiting.clone())?;
     let reason = waiting.reason.filter(|r| CANNOT_START.contains(&r.as_str()))?;
+    if PULLING.contains(&reason.as_str()) && age < PULL_PATIENCE {
+        return None;
+    }
     let message = waiting.message.unwrap_or_default();
     Some(if message.is_empty() { format!("the job container cannot start: {reason}") } else { format!("the job container cannot start: {reason}: {message}") })
 }
@@ -634,6 +688,12 @@ mod tests {
         }
     }
 
+    fn created_ago(mut pod: Pod, seconds: i64) -> Pod {
+        let created = k8s_openapi::jiff::Timestamp::now().checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(seconds)).unwrap();
+        pod.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(created));
+        pod
+    }
+
     fn terminated(code: i32, reason: &str) -> ContainerState {
         ContainerState {
             terminated: Some(ContainerStateTerminated { exit_code: code, reason: Some(reason.into()), ..Default::default() }),
@@ -659,7 +719,12 @@ mod tests {
                 Phase::Exited,
                 "the job container cannot start: ErrImageNeverPull: kubelet says ErrImageNeverPull",
             ),
-            (pod("Pending", None, Some(waiting("ImagePullBackOff"))), Phase::Exited, "cannot start: ImagePullBackOff"),
+            // A registry that refuses for a while: the kubelet retries the pull.
+            (pod("Pending", None, Some(waiting("ImagePullBackOff"))), Phase::Running, ""),
+            (pod("Pending", None, Some(waiting("ErrImagePull"))), Phase::Running, ""),
+            (created_ago(pod("Pending", None, Some(waiting("ImagePullBackOff"))), 60), Phase::Running, ""),
+            (created_ago(pod("Pending", None, Some(waiting("ImagePullBackOff"))), 6 * 60), Phase::Exited, "cannot start: ImagePullBackOff"),
+            (created_ago(pod("Pending", None, Some(waiting("ErrImageNeverPull"))), 1), Phase::Exited, "cannot start: ErrImageNeverPull"),
             (pod("Failed", None, Some(terminated(137, "OOMKilled"))), Phase::Exited, "exited with code 137 (OOMKilled: it used more memory"),
             (pod("Failed", Some("Evicted"), None), Phase::Exited, "the Pod Evicted: message for Evicted"),
             (pod("Failed", Some("DeadlineExceeded"), None), Phase::Exited, "the Pod DeadlineExceeded"),
@@ -709,9 +774,24 @@ mod tests {
                 (contract::environment::ASSIGNMENT_ID.to_owned(), "gitea-task-9".to_owned()),
                 (contract::environment::SPIFFE_ID.to_owned(), "spiffe://example.org/ci/o/r/build".to_owned()),
             ]),
+            ..EnvironmentSpec::default()
         };
         let pods: Api<Pod> = Api::namespaced(Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap(), "ci-jobs");
+        // By default: no job-local dockerd, nothing of the supervisor's but what it needs.
+        let unprivileged = KubernetesDriver { placement: Placement::CONTAINER_KUBERNETES, pods: pods.clone(), config: config.clone() };
+        let pod = serde_json::to_value(unprivileged.pod(&spec)).unwrap();
+        let context = &pod["spec"]["containers"][0]["securityContext"];
+        assert_eq!(context["privileged"], false);
+        assert_eq!(context["allowPrivilegeEscalation"], false);
+        assert_eq!(context["capabilities"]["drop"], serde_json::json!(["ALL"]));
+        assert_eq!(context["seccompProfile"]["type"], "RuntimeDefault");
+        let env: Vec<&str> = pod["spec"]["containers"][0]["env"].as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
+        assert_eq!(env, ["SUPERVISOR_LOG", "SUPERVISOR_DOCKER", "CI_ASSIGNMENT_ID", "CI_SPIFFE_ID"]);
+        assert!(unprivileged.config.trust_notice().is_none());
+
+        config.job_dockerd = true;
         let driver = KubernetesDriver { placement: Placement::CONTAINER_KUBERNETES, pods, config };
+        assert!(driver.config.trust_notice().unwrap().contains("run only trusted code"));
         let pod = serde_json::to_value(driver.pod(&spec)).unwrap();
         assert_eq!(pod["metadata"]["name"], "gdr-x-gitea-task-9");
         assert_eq!(pod["metadata"]["namespace"], "ci-jobs");
@@ -749,6 +829,7 @@ mod tests {
             ("kubernetes.image_pull_policy", |c| c.image_pull_policy = "Sometimes".into()),
             ("kubernetes.command", |c| c.command.clear()),
             ("kubernetes.capabilities", |c| {
+                c.job_dockerd = true;
                 c.privileged = false;
                 c.capabilities.clear();
             }),

@@ -21,14 +21,18 @@ pub mod opensandbox;
 pub const LABEL_ASSIGNMENT: &str = "gitea-dynamic-runner/assignment-id";
 pub const LABEL_PLACEMENT: &str = "gitea-dynamic-runner/placement";
 pub const LABEL_MANAGED: &str = "gitea-dynamic-runner/managed";
-/// Which controller installation an environment belongs to (see [`instance_of`]).
+/// Which controller installation an environment belongs to (`Config::installation`).
 pub const LABEL_INSTANCE: &str = "gitea-dynamic-runner/instance";
+/// Proof that the installation holding the capability key made the environment (a MAC
+/// of its name): a controller removes or counts only environments it can prove it made,
+/// whatever else shares the Docker host, the namespace or the installation's name.
+pub const LABEL_PROOF: &str = "gitea-dynamic-runner/proof";
 
 /// A stream of environments that changed on their own (ended, failed, evicted).
 pub type Changes = std::pin::Pin<Box<dyn futures_util::Stream<Item = Environment> + Send>>;
 
 /// What a driver is asked to create.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Default)]
 pub struct EnvironmentSpec {
     pub assignment_id: String,
     /// Derived from the assignment id, so a retried create finds the first one.
@@ -37,6 +41,25 @@ pub struct EnvironmentSpec {
     /// The environment contract's variables (`contract::environment`), only those with
     /// a value — never a Gitea credential.
     pub env: BTreeMap<String, String>,
+    /// The environment's own facade directory on the host (its socket, and its
+    /// capability file until PID 1 has read it), for drivers that mount it at
+    /// `contract::facade::ENVIRONMENT_DIR`.
+    pub facade_dir: Option<FacadeDir>,
+}
+
+/// An environment's own facade directory; see `facade::sockets`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct FacadeDir {
+    /// The host directory the driver mounts.
+    pub host: std::path::PathBuf,
+    /// What the worker writes into its capability file before the environment starts.
+    pub capability: String,
+}
+
+impl std::fmt::Debug for FacadeDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FacadeDir").field("host", &self.host).finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for EnvironmentSpec {
@@ -47,6 +70,7 @@ impl std::fmt::Debug for EnvironmentSpec {
             .field("name", &self.name)
             .field("labels", &self.labels)
             .field("env", &self.env.keys().collect::<Vec<_>>())
+            .field("facade_dir", &self.facade_dir)
             .finish()
     }
 }
@@ -139,12 +163,14 @@ impl DriverError {
     }
 }
 
-/// The installation a controller belongs to: 8 hex digits of the Gitea URL's hash.
-/// Task ids are Gitea's, so two controllers for two Gitea instances on one Docker host
-/// (or one Kubernetes namespace) would otherwise name their environments alike — and
-/// adopt, or delete as orphans, each other's.
-pub fn instance_of(gitea_url: &str) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, gitea_url.trim_end_matches('/').as_bytes());
+/// An installation's default name: 8 hex digits of the hash of what tells installations
+/// apart — the Gitea URL and where its records are (two controllers of one Gitea with two
+/// stores, as during a migration, are two installations). Task ids are Gitea's, so two
+/// installations on one Docker host (or one Kubernetes namespace) would otherwise name
+/// their environments alike.
+pub fn instance_of(gitea_url: &str, store: &str) -> String {
+    let text = format!("{}\n{store}", gitea_url.trim_end_matches('/'));
+    let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
     digest.as_ref()[..4].iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -176,13 +202,14 @@ mod tests {
 
     #[test]
     fn names_are_derived_from_the_installation_and_the_assignment() {
-        let instance = instance_of("https://gitea.example.com/");
-        assert_eq!(instance, instance_of("https://gitea.example.com"));
+        let instance = instance_of("https://gitea.example.com/", "redb:/var/lib/gdr/store.redb");
+        assert_eq!(instance, instance_of("https://gitea.example.com", "redb:/var/lib/gdr/store.redb"));
         assert_eq!(instance.len(), 8);
-        assert_ne!(instance, instance_of("https://gitea.other.example"));
+        assert_ne!(instance, instance_of("https://gitea.other.example", "redb:/var/lib/gdr/store.redb"));
+        assert_ne!(instance, instance_of("https://gitea.example.com", "nats:nats-0:4222/ci-assignments"), "a second store is a second installation");
         assert_eq!(environment_name(&instance, "gitea-task-42"), format!("gdr-{instance}-gitea-task-42"));
         assert_ne!(environment_name(&instance, "gitea-task-42"), environment_name(&instance, "gitea-task-43"));
-        assert_ne!(environment_name(&instance, "gitea-task-42"), environment_name(&instance_of("http://other"), "gitea-task-42"));
+        assert_ne!(environment_name(&instance, "gitea-task-42"), environment_name(&instance_of("http://other", ""), "gitea-task-42"));
         assert!(environment_name(&instance, &format!("gitea-task-{}", i64::MAX)).len() <= 63, "DNS-1123 labels are at most 63 characters");
     }
 }

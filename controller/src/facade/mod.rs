@@ -1,13 +1,17 @@
-//! The facade: the only path from environments back to Gitea (architecture §2).
+//! The facade: the only path from environments back to Gitea.
 //!
-//! Every call carries the assignment capability, which must verify for that
-//! assignment; over SPIFFE mTLS the peer's SPIFFE ID must also equal the identity
-//! derived for the assignment. Claim hands the Task over exactly once (a retry by the
-//! same holder gets the same Task; anyone else is refused); UpdateTask and UpdateLog
-//! are forwarded with the controller's runner credential for the claimed task only,
-//! and Gitea's replies, cancellation included, go back unchanged. After Gitea accepts
-//! the terminal state, the record becomes terminal, the environment is marked
-//! terminal and the pool slot is released.
+//! Every call carries a capability for its assignment and is bound to where it comes
+//! from: on an environment's own socket only that environment's assignment is served
+//! ([`Peer::Environment`]); over SPIFFE mTLS the peer's SPIFFE ID must equal the
+//! identity derived for the assignment. Claim takes the capability the environment was
+//! given and hands the Task over exactly once (a retry by the same holder gets the same
+//! Task; anyone else is refused), with a *session* capability that every later call
+//! carries instead: the given capability claims and nothing else, so a copy of it read
+//! after the claim is worth nothing. UpdateTask and UpdateLog are forwarded with the
+//! controller's runner credential for the claimed task only, and Gitea's replies,
+//! cancellation included, go back unchanged — until [`REPORTS_AFTER_END`] after the
+//! assignment ended. After Gitea accepts the terminal state, the record becomes
+//! terminal, the environment is marked terminal and the pool slot is released.
 
 use std::sync::Arc;
 
@@ -29,9 +33,17 @@ use crate::{
     store::{self, Record, State, Store, StoreError, Versioned, now_ms},
 };
 
+mod limit;
+pub mod sockets;
 mod transport;
 
+pub use sockets::EnvironmentSockets;
 pub use transport::{FacadeError, mtls_server_config, serve_insecure_tcp, serve_mtls, serve_unix};
+
+/// How long after its assignment ended an environment may still report: the runner
+/// flushes its last log rows after Gitea said "cancelled", while the environment is
+/// being retired. A capability kept by a job after that is refused.
+pub const REPORTS_AFTER_END: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Upper bound of one facade request. The supervisor sends a runner's UpdateLog
 /// backlog up in pieces of a few hundred KiB, and outputs in batches, so this only
@@ -44,8 +56,22 @@ pub const MAX_REQUEST_BYTES: usize = 4 << 20;
 pub enum Peer {
     /// Over SPIFFE mTLS: the SPIFFE ID of the client's X.509 SVID.
     Spiffe(String),
-    /// Over the local unix socket (docker driver without SPIFFE): capability only.
+    /// On the socket of one environment (the docker placement): only its assignment.
+    Environment { assignment_id: String },
+    /// On a socket or listener any caller may reach (tests, the development mode):
+    /// the capability alone.
     Local,
+}
+
+/// Which capability a call must carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// The capability the environment was given: Claim.
+    Given,
+    /// The session Claim answered: reports.
+    Session,
+    /// Either: phases, which an environment reports before and after its claim.
+    Either,
 }
 
 /// The facade's state, shared by its listeners.
@@ -57,6 +83,11 @@ pub struct Facade {
     key: Arc<CapabilityKey>,
     rules: Rules,
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// How long a session capability lasts after the claim.
+    session_ttl: std::time::Duration,
+    /// Reports per assignment: one environment cannot flood the controller every
+    /// environment shares, nor Gitea behind it.
+    reports: limit::PerAssignment,
 }
 
 /// Seconds since `from_ms`, for the histograms.
@@ -66,7 +97,46 @@ fn seconds_since(from_ms: i64) -> f64 {
 
 impl Facade {
     pub fn new(store: Arc<dyn Store>, registrations: Registrations, lifecycle: Lifecycle, key: Arc<CapabilityKey>, rules: Rules) -> Self {
-        Facade { store, registrations, lifecycle, key, rules, metrics: None }
+        Facade {
+            store,
+            registrations,
+            lifecycle,
+            key,
+            rules,
+            metrics: None,
+            session_ttl: std::time::Duration::from_secs(24 * 3600),
+            reports: limit::PerAssignment::new(limit::REPORTS_PER_SECOND, limit::REPORTS_BURST),
+        }
+    }
+
+    /// Reports per assignment and second, and the burst allowed (tests that hammer one
+    /// assignment on purpose raise it).
+    pub fn with_report_limit(mut self, per_second: f64, burst: f64) -> Self {
+        self.reports = limit::PerAssignment::new(per_second, burst);
+        self
+    }
+
+    fn admit_report(&self, assignment_id: &str) -> Result<(), Status> {
+        if self.reports.admit(assignment_id) {
+            return Ok(());
+        }
+        if let Some(metrics) = &self.metrics {
+            metrics.error("report_rate_limited");
+        }
+        Err(Status::resource_exhausted(format!("{assignment_id} reports faster than the facade takes them; slow down")))
+    }
+
+    /// How long sessions last (`facade.capability_ttl`).
+    pub fn with_session_ttl(mut self, ttl: std::time::Duration) -> Self {
+        self.session_ttl = ttl;
+        self
+    }
+
+    /// The session capability of a claim made at `claimed_at_ms`: the same for every
+    /// retry of that claim.
+    fn session(&self, assignment_id: &str, claimed_at_ms: i64) -> String {
+        let claimed = u64::try_from(claimed_at_ms.div_euclid(1000)).unwrap_or(0);
+        self.key.issue(&crate::assignment::capability::session_scope(assignment_id), claimed.saturating_add(self.session_ttl.as_secs()))
     }
 
     pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
@@ -79,15 +149,35 @@ impl Facade {
         FacadeServiceServer::new(Service(self)).max_decoding_message_size(MAX_REQUEST_BYTES)
     }
 
-    /// Capability and peer identity, then the record and its decoded assignment.
-    async fn authorize(&self, peer: &Peer, credential: Option<&AssignmentCredential>) -> Result<(Versioned<Record>, Assignment), Status> {
+    /// Capability, its scope and the peer, then the record and its decoded assignment.
+    async fn authorize(&self, peer: &Peer, credential: Option<&AssignmentCredential>, scope: Scope) -> Result<(Versioned<Record>, Assignment), Status> {
         let credential = credential.ok_or_else(|| Status::unauthenticated("the request carries no credential"))?;
         let id = credential.assignment_id.as_str();
         if id.is_empty() || id.len() > 128 {
             return Err(Status::invalid_argument("credential.assignment_id must be 1 to 128 bytes"));
         }
+        if let Peer::Environment { assignment_id } = peer
+            && assignment_id != id
+        {
+            tracing::warn!(assignment.id = id, socket = %assignment_id, "facade refused a call for another environment's assignment");
+            return Err(Status::permission_denied(format!("this socket belongs to the environment of {assignment_id}, not of {id}")));
+        }
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        self.key.verify(&credential.capability, id, now).map_err(|error| Status::unauthenticated(format!("capability refused for {id}: {error}")))?;
+        let session = crate::assignment::capability::session_scope(id);
+        let verified = match scope {
+            Scope::Given => self.key.verify(&credential.capability, id, now),
+            Scope::Session => self.key.verify(&credential.capability, &session, now),
+            Scope::Either => self.key.verify(&credential.capability, &session, now).or_else(|_| self.key.verify(&credential.capability, id, now)),
+        };
+        verified.map_err(|error| match (scope, &error) {
+            (Scope::Session, crate::assignment::capability::CapabilityError::WrongAssignment { .. }) => {
+                Status::unauthenticated(format!("{id}: reports carry the session capability of the claim, not the capability the environment was given"))
+            }
+            (Scope::Given, crate::assignment::capability::CapabilityError::WrongAssignment { .. }) => {
+                Status::unauthenticated(format!("{id}: a claim carries the capability the environment was given"))
+            }
+            _ => Status::unauthenticated(format!("capability refused for {id}: {error}")),
+        })?;
         let record = self.store.get(id).await.map_err(store_status)?.ok_or_else(|| Status::not_found(format!("no assignment {id}")))?;
         let assignment = Assignment::decode(&record.value.envelope, &self.rules)
             .map_err(|error| Status::internal(format!("stored assignment {id} is invalid: {}", crate::error_chain(&error))))?;
@@ -101,7 +191,7 @@ impl Facade {
     }
 
     pub async fn claim(&self, peer: &Peer, request: ClaimRequest) -> Result<ClaimResponse, Status> {
-        let (mut record, assignment) = self.authorize(peer, request.credential.as_ref()).await?;
+        let (mut record, assignment) = self.authorize(peer, request.credential.as_ref(), Scope::Given).await?;
         let holder = request.holder;
         if holder.len() < 16 || holder.len() > 128 {
             return Err(Status::invalid_argument("holder must be 16 to 128 characters"));
@@ -109,7 +199,7 @@ impl Facade {
         loop {
             match &record.value.state {
                 State::Claimed { holder: current, claimed_at_ms } if *current == holder => {
-                    return Ok(claim_response(assignment.task.clone(), claimed_at_ms.to_owned()));
+                    return Ok(claim_response(assignment.task.clone(), *claimed_at_ms, self.session(&assignment.id, *claimed_at_ms)));
                 }
                 State::Claimed { .. } => {
                     tracing::warn!(assignment_id = %assignment.id, "a second holder tried to claim");
@@ -132,7 +222,7 @@ impl Facade {
                             {
                                 metrics.claim_latency.observe(seconds_since(record.value.created_at_ms));
                             }
-                            return Ok(claim_response(assignment.task.clone(), claimed_at_ms));
+                            return Ok(claim_response(assignment.task.clone(), claimed_at_ms, self.session(&assignment.id, claimed_at_ms)));
                         }
                         Err(StoreError::Conflict { .. }) => {
                             record = self.store.get(&assignment.id).await.map_err(store_status)?.ok_or_else(|| Status::not_found("assignment vanished"))?;
@@ -152,7 +242,8 @@ impl Facade {
         credential: Option<&AssignmentCredential>,
         task_id: i64,
     ) -> Result<(Record, Assignment, Arc<dyn TaskReports>), Status> {
-        let (record, assignment) = self.authorize(peer, credential).await?;
+        let (record, assignment) = self.authorize(peer, credential, Scope::Session).await?;
+        self.admit_report(&assignment.id)?;
         if task_id != assignment.task.id {
             tracing::warn!(assignment_id = %assignment.id, task_id, "refused a report for another task");
             return Err(Status::permission_denied(format!("{} may only report task {}, not {task_id}", assignment.id, assignment.task.id)));
@@ -164,8 +255,15 @@ impl Facade {
             tracing::error!(assignment_id = %assignment.id, "{error}");
             Status::failed_precondition(error.to_string())
         })?;
-        // A terminal assignment still forwards: after Gitea said "cancelled" the runner
-        // flushes its last log rows while its environment is being retired.
+        // A terminal assignment still forwards for a while: after Gitea said "cancelled"
+        // the runner flushes its last log rows while its environment is being retired.
+        if record.value.is_terminal() && seconds_since(record.value.updated_at_ms) > REPORTS_AFTER_END.as_secs_f64() {
+            return Err(Status::failed_precondition(format!(
+                "{} ended more than {}s ago; nothing more is reported for it",
+                assignment.id,
+                REPORTS_AFTER_END.as_secs()
+            )));
+        }
         Ok((record.value, assignment, reports))
     }
 
@@ -200,7 +298,8 @@ impl Facade {
     }
 
     pub async fn report_phase(&self, peer: &Peer, request: ReportPhaseRequest) -> Result<ReportPhaseResponse, Status> {
-        let (record, assignment) = self.authorize(peer, request.credential.as_ref()).await?;
+        let (record, assignment) = self.authorize(peer, request.credential.as_ref(), Scope::Either).await?;
+        self.admit_report(&assignment.id)?;
         let phase = Phase::try_from(request.phase).unwrap_or(Phase::Unspecified);
         if phase == Phase::Unspecified {
             return Err(Status::invalid_argument("phase is required"));
@@ -254,8 +353,9 @@ fn phase_summary(phase: Phase, detail: &str, exit_code: i32) -> String {
     summary
 }
 
-fn claim_response(task: Task, claimed_at_ms: i64) -> ClaimResponse {
+fn claim_response(task: Task, claimed_at_ms: i64, session: String) -> ClaimResponse {
     ClaimResponse {
+        session,
         task: Some(task),
         claimed_at: Some(prost_types::Timestamp {
             seconds: claimed_at_ms.div_euclid(1000),

@@ -1,6 +1,7 @@
-//! The facade's listeners: a unix socket (capability only; the docker driver mounts it
-//! into environments) and TCP with SPIFFE mTLS (the peer's SPIFFE ID is attached to
-//! every request and checked against the assignment's identity per call).
+//! The facade's listeners: unix sockets (one per environment, see `sockets`; a shared one
+//! for tests), TCP with SPIFFE mTLS (the peer's SPIFFE ID is attached to every request and
+//! checked against the assignment's identity per call) and the development mode's plain
+//! TCP. Every listener feeds one server loop ([`serve_connections`]).
 
 use std::{sync::Arc, time::Duration};
 
@@ -12,6 +13,12 @@ use super::{Facade, Peer};
 pub struct Authenticated<S> {
     stream: S,
     peer: Peer,
+}
+
+impl<S> Authenticated<S> {
+    pub fn new(stream: S, peer: Peer) -> Self {
+        Authenticated { stream, peer }
+    }
 }
 
 impl<S> tonic::transport::server::Connected for Authenticated<S> {
@@ -46,7 +53,9 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Authenticated<S
     }
 }
 
-/// Serves the facade on a unix socket (capability-only authentication), until `shutdown`.
+/// Serves the facade on one unix socket shared by every caller (capability only), until
+/// `shutdown`. Environments get their own sockets instead (`sockets`); this one is for
+/// tests of the service itself.
 ///
 /// # Errors
 /// When the socket cannot be bound or the server fails.
@@ -61,7 +70,7 @@ pub async fn serve_unix(facade: Arc<Facade>, path: &std::path::Path, shutdown: t
         let accepted = listener.accept().await.map(|(stream, _)| Authenticated { stream, peer: Peer::Local });
         Some((accepted, listener))
     });
-    serve_capability_only(facade, incoming, shutdown).await
+    serve_connections(facade, incoming, shutdown).await
 }
 
 /// Serves the facade over plain TCP (HTTP/2 without TLS), capability only: the
@@ -83,10 +92,11 @@ pub async fn serve_insecure_tcp(
         });
         Some((accepted, listener))
     });
-    serve_capability_only(facade, incoming, shutdown).await
+    serve_connections(facade, incoming, shutdown).await
 }
 
-async fn serve_capability_only<S>(
+/// The facade's gRPC server over connections whose [`Peer`] a listener established.
+pub(super) async fn serve_connections<S>(
     facade: Arc<Facade>,
     incoming: impl futures_util::Stream<Item = std::io::Result<Authenticated<S>>>,
     shutdown: tokio_util::sync::CancellationToken,
@@ -176,13 +186,7 @@ pub async fn serve_mtls(
             });
         }
     });
-    let incoming = tokio_stream::wrappers::ReceiverStream::new(receiver);
-    let served = tonic::transport::Server::builder()
-        .layer(tower::util::MapResponseLayer::new(oversize_is_resource_exhausted))
-        .add_service(facade.service())
-        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
-        .await
-        .map_err(FacadeError::Serve);
+    let served = serve_connections(facade, tokio_stream::wrappers::ReceiverStream::new(receiver), shutdown).await;
     accepting.abort();
     let _ = accepting.await;
     served
@@ -212,4 +216,6 @@ pub enum FacadeError {
     },
     #[error("the facade server failed")]
     Serve(#[source] tonic::transport::Error),
+    #[error("the environments' facade sockets are already being served")]
+    AlreadyServing,
 }

@@ -207,15 +207,15 @@ impl Gitea {
         })
     }
 
-    /// One FetchTask, answered at once by Gitea; a deadline counts as "no task".
+    /// One FetchTask, answered at once by Gitea.
     ///
     /// # Errors
-    /// Unregistered, or any non-transient failure.
+    /// Unregistered, a deadline (`Call` with `DeadlineExceeded`: the caller says that a
+    /// task in the lost reply is lost), or any other failure.
     pub async fn fetch_task(&self, tasks_version: i64, timeout: Duration) -> Result<FetchTaskResponse, GiteaError> {
         let options = CallOptions::default().with_timeout(timeout);
         match self.client.unary(&format!("{SERVICE}FetchTask"), &FetchTaskRequest { tasks_version }, &options).await {
             Ok(response) => Ok(response.message),
-            Err(error) if error.code == Code::DeadlineExceeded => Ok(FetchTaskResponse { task: None, tasks_version }),
             Err(error) => Err(self.classify("FetchTask", error)),
         }
     }
@@ -260,10 +260,13 @@ impl Gitea {
     }
 }
 
-/// gitea-runner's rule: `unauthenticated`, or the old servers' `unknown` carrying the
-/// gRPC-style text (gitea-runner's poller, isUnregistered).
+/// Gitea's own answer for a runner it does not know: "unregistered runner", as
+/// `unauthenticated` or (servers that send gRPC status errors through connect-go) as
+/// `unknown` with the gRPC-style text. gitea-runner takes any `unauthenticated` for it;
+/// here a bare 401 — a proxy's, a load balancer's during a restart — is a transient
+/// failure, retried, never the end of a registration.
 pub fn is_unregistered(error: &ConnectError) -> bool {
-    error.code == Code::Unauthenticated || (error.code == Code::Unknown && error.message == "rpc error: code = Unauthenticated desc = unregistered runner")
+    matches!(error.code, Code::Unauthenticated | Code::Unknown) && error.message.contains("unregistered runner")
 }
 
 /// What the facade, the keep-alive and the lifecycle need of Gitea: the two calls that
@@ -394,9 +397,10 @@ mod tests {
     fn unregistered_detection_follows_gitea_runner() {
         let table: &[(Code, &str, bool)] = &[
             (Code::Unauthenticated, "unregistered runner", true),
-            (Code::Unauthenticated, "anything", true),
             (Code::Unknown, "rpc error: code = Unauthenticated desc = unregistered runner", true),
-            (Code::Unknown, "unregistered runner", false),
+            // A proxy's bare 401 (Connect maps it to unauthenticated): transient.
+            (Code::Unauthenticated, "HTTP status 401 Unauthorized", false),
+            (Code::Unauthenticated, "anything", false),
             (Code::PermissionDenied, "unregistered runner", false),
             (Code::Unavailable, "HTTP status 503", false),
         ];

@@ -24,7 +24,7 @@ use crate::{
         Driver,
         docker::{DockerConfig, DockerDriver},
     },
-    facade::{self, Facade},
+    facade::{EnvironmentSockets, Facade},
     gitea::registrations::Registrations,
     lifecycle::Lifecycle,
     placements::Placements,
@@ -86,11 +86,9 @@ pub async fn run(args: RunLocal, interrupts: tokio::sync::mpsc::UnboundedReceive
     }
 
     let dir = tempfile::Builder::new().prefix("gdr-run-local-").tempdir_in("/tmp").context("a scratch directory under /tmp")?;
-    let socket = dir.path().join("facade.sock");
+    let socket_dir = dir.path().join("environments");
     let mut docker = if args.privileged { DockerConfig::privileged(&args.image) } else { DockerConfig::unprivileged_loop_capable(&args.image) };
     docker.socket = args.docker_socket.clone();
-    docker.facade_socket = Some(socket.display().to_string());
-    docker.stop_seconds = 5;
     let driver: Arc<dyn Driver> = Arc::new(
         DockerDriver::connect(docker)
             .await
@@ -109,18 +107,22 @@ pub async fn run(args: RunLocal, interrupts: tokio::sync::mpsc::UnboundedReceive
     let mut tasks = tokio::task::JoinSet::new();
 
     let facade = Arc::new(Facade::new(Arc::clone(&store), registrations, lifecycle.clone(), Arc::clone(&key), rules.clone()));
-    {
-        let (socket, shutdown) = (socket.clone(), shutdown.clone());
-        tasks.spawn(async move { facade::serve_unix(facade, &socket, shutdown).await.map_err(anyhow::Error::from) });
-    }
+    let sockets = EnvironmentSockets::new(&socket_dir, LOCAL_INSTANCE, &[assignment.placement]).context("the facade sockets' directory")?;
+    tasks.spawn({
+        let (sockets, store, shutdown) = (Arc::clone(&sockets), Arc::clone(&store), shutdown.clone());
+        async move { sockets.serve(facade, store, shutdown).await.map_err(anyhow::Error::from) }
+    });
     let settings = EnvironmentSettings {
-        facade_url: format!("unix://{}", socket.display()),
         instance: LOCAL_INSTANCE.to_owned(),
         capability_ttl: Duration::from_secs(24 * 3600),
+        socket_dir: Some(socket_dir),
+        socket_placements: vec![assignment.placement],
         ..EnvironmentSettings::default()
     };
     let worker = Arc::new(
-        Worker::new(runtime, Arc::clone(&driver), Arc::clone(&store), key, settings, rules, lifecycle.clone()).with_sweep_interval(Duration::from_secs(2)),
+        Worker::new(runtime, Arc::clone(&driver), Arc::clone(&store), key, settings, rules, lifecycle.clone())
+            .with_sweep_interval(Duration::from_secs(2))
+            .with_sockets(Some(sockets)),
     );
     {
         let (worker, shutdown) = (Arc::clone(&worker), shutdown.clone());

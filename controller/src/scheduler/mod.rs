@@ -127,8 +127,9 @@ impl Scheduler {
     /// life); false at shutdown. Only the holder fetches, so two schedulers of one
     /// registration never fetch beyond the capacity together. On taking over, the live
     /// assignments are counted from the store.
-    async fn lead(&self, shutdown: &CancellationToken) -> bool {
+    async fn lead(&self, index: usize, shutdown: &CancellationToken) -> bool {
         loop {
+            self.beat(index);
             let now = tokio::time::Instant::now();
             if self.leading_until().is_some_and(|until| until > now + self.lease_ttl / 2) {
                 return true;
@@ -200,51 +201,83 @@ impl Scheduler {
         self
     }
 
-    /// Runs the loops until `shutdown`; every loop is joined before returning.
+    /// Runs the loops until `shutdown`; every loop is joined before returning. When Gitea
+    /// says this registration's runner no longer exists, this placement stops fetching
+    /// (the log, `/readyz` and `gdr_placement_fetching` say so) and the rest of the
+    /// controller — other placements, the facade for running jobs — goes on.
     ///
     /// # Errors
-    /// When Gitea says the runner is no longer registered: nothing can continue.
+    /// None today; the signature leaves room for final errors.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), GiteaError> {
         let capacity = self.placements.get(self.placement).map_or(1, |r| r.capacity);
+        let placement = self.placement.to_string();
+        if let Some(metrics) = &self.metrics {
+            metrics.placement(&placement, crate::metrics::PlacementStatus::Fetching);
+        }
+        let stop = shutdown.child_token();
         let mut loops = tokio::task::JoinSet::new();
         for index in 0..capacity.min(self.config.max_loops).max(1) {
             let scheduler = Arc::clone(&self);
-            let shutdown = shutdown.clone();
-            loops.spawn(async move { scheduler.fetch_loop(index, shutdown).await });
+            let stop = stop.clone();
+            loops.spawn(async move { scheduler.fetch_loop(index, stop).await });
         }
-        let mut outcome = Ok(());
         while let Some(joined) = loops.join_next().await {
             match joined {
                 Ok(Err(error)) => {
-                    // One loop hit a final error: stop the others too.
-                    shutdown.cancel();
-                    outcome = Err(error);
+                    // This registration is gone: its other loops stop too, nothing else.
+                    if !stop.is_cancelled() {
+                        tracing::error!(%placement, error = %error, "this placement stops fetching tasks; the others and the running jobs go on");
+                        if let Some(metrics) = &self.metrics {
+                            metrics.placement(&placement, crate::metrics::PlacementStatus::Stopped(error.to_string()));
+                            metrics.error(error.metric_label());
+                        }
+                    }
+                    stop.cancel();
                 }
                 Ok(Ok(())) => {}
                 Err(error) => tracing::error!(%error, "a fetch loop panicked"),
+            }
+        }
+        if let Some(metrics) = &self.metrics {
+            for index in 0..capacity.min(self.config.max_loops).max(1) {
+                metrics.forget(&self.loop_name(index));
             }
         }
         // A clean stop hands the registration over at once.
         if let Err(error) = self.store.release_lease(&self.lease_name(), &self.holder).await {
             tracing::warn!(%error, "cannot release the lease; a standby takes over when it expires");
         }
-        outcome
+        Ok(())
+    }
+
+    fn loop_name(&self, index: usize) -> String {
+        format!("scheduler {} fetch loop {index}", self.placement)
+    }
+
+    fn beat(&self, index: usize) {
+        if let Some(metrics) = &self.metrics {
+            metrics.beat(&self.loop_name(index));
+        }
     }
 
     /// Room for one fetch: waits while the placement is full, re-checking its live
     /// assignments against the store now and then (another process — a facade on its
     /// own — may have finished them).
-    async fn reserve(&self, shutdown: &CancellationToken) -> Option<Ticket> {
-        let admission = Arc::clone(&self.placements.get(self.placement)?.admission);
+    async fn reserve(&self, index: usize, shutdown: &CancellationToken) -> Option<Ticket> {
+        let runtime = Arc::clone(self.placements.get(self.placement)?);
+        let admission = Arc::clone(&runtime.admission);
         loop {
-            if let Some(ticket) = admission.try_reserve() {
+            self.beat(index);
+            if runtime.can_place()
+                && let Some(ticket) = admission.try_reserve()
+            {
                 return Some(ticket);
             }
             tokio::select! {
                 () = shutdown.cancelled() => return None,
                 () = admission.released() => {}
                 () = tokio::time::sleep(self.config.fetch_interval.max(Duration::from_secs(1))) => {
-                    for id in admission.live() {
+                    for id in admission.persisted_live() {
                         if let Ok(record) = self.store.get(&id).await
                             && record.as_ref().is_none_or(|r| r.value.is_terminal())
                         {
@@ -259,15 +292,16 @@ impl Scheduler {
     async fn fetch_loop(&self, index: usize, shutdown: CancellationToken) -> Result<(), GiteaError> {
         let mut failures = 0u32;
         while !shutdown.is_cancelled() {
-            if !self.lead(&shutdown).await {
+            self.beat(index);
+            if !self.lead(index, &shutdown).await {
                 return Ok(());
             }
-            let Some(ticket) = self.reserve(&shutdown).await else { return Ok(()) };
+            let Some(ticket) = self.reserve(index, &shutdown).await else { return Ok(()) };
             let version = self.tasks_version.load(Ordering::SeqCst);
-            let fetched = tokio::select! {
-                () = shutdown.cancelled() => return Ok(()),
-                fetched = self.gitea.fetch_task(version, self.config.fetch_timeout) => fetched,
-            };
+            // Not cut short at shutdown: Gitea may have committed a task to this reply,
+            // which is then ours alone; the call is bounded by fetch_timeout, and a task
+            // it brings is persisted before the loop ends.
+            let fetched = self.gitea.fetch_task(version, self.config.fetch_timeout).await;
             match fetched {
                 Ok(response) => {
                     failures = 0;
@@ -286,7 +320,25 @@ impl Scheduler {
                     }
                 }
                 Err(error @ GiteaError::Unregistered { .. }) => return Err(error),
+                Err(GiteaError::Call { error, .. }) if error.code == connect::Code::DeadlineExceeded => {
+                    drop(ticket);
+                    // A task Gitea committed to a reply that never came is lost to us; Gitea
+                    // fails it after its zombie timeout. Say so: it is rare, and costly.
+                    tracing::warn!(
+                        placement = %self.placement,
+                        loop_index = index,
+                        timeout = ?self.config.fetch_timeout,
+                        "FetchTask got no answer in time; a task in that reply would be lost (raise gitea.fetch_timeout if Gitea is slow)"
+                    );
+                    if let Some(metrics) = &self.metrics {
+                        metrics.error("fetch_unanswered");
+                    }
+                    sleep_or_stop(self.config.fetch_interval, &shutdown).await;
+                }
                 Err(error) => {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.error(error.metric_label());
+                    }
                     drop(ticket);
                     failures += 1;
                     let delay = backoff(failures);
@@ -336,12 +388,22 @@ impl Scheduler {
         loop {
             match self.store.persist(&record).await {
                 Ok(created) => {
+                    runtime.admission.persisted(&record.assignment_id);
                     tracing::info!(assignment_id = %record.assignment_id, task_id, placement = %record.placement, created, "assignment persisted");
                     self.observe(if created {
                         Outcome::Persisted { assignment_id: record.assignment_id.clone(), placement: record.placement, latency: fetched.elapsed() }
                     } else {
                         Outcome::AlreadyPersisted { assignment_id: record.assignment_id.clone() }
                     });
+                    return;
+                }
+                Err(error @ crate::store::StoreError::TooLarge { .. }) => {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.error(error.metric_label());
+                    }
+                    // No retry can store it: the task fails in Gitea with the reason.
+                    runtime.admission.release(&record.assignment_id);
+                    self.reject(task_id, &format!("the controller cannot store this task: {error}")).await;
                     return;
                 }
                 Err(error) => {

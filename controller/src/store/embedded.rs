@@ -1,9 +1,13 @@
 //! The embedded backend (redb); see the module docs of `store`.
 //!
-//! One redb file holds three tables:
+//! One redb file (mode 0600: records hold tasks with their secrets) holds these tables:
 //!
-//! - `records`: assignment id → (revision, [`Record`] as JSON). The revision starts at 1
-//!   and grows by one per update; [`Store::update`] is a compare-and-set on it.
+//! - `records`: assignment id → (revision, [`Record`] as JSON) of the live assignments.
+//!   The revision starts at 1 and grows by one per update; [`Store::update`] is a
+//!   compare-and-set on it.
+//! - `finished`: the same for terminal records, which an update moves here in the same
+//!   transaction (credentials removed, see `store`), and `finished_by_time`: (ended at,
+//!   id), so [`Store::prune`] reads only what it removes.
 //! - `queue`: (placement, sequence) → (assignment id, deliveries so far). One table keyed
 //!   by placement first, so each placement is its own FIFO range. An entry lives until it
 //!   is acknowledged; there is no "delivered" flag on disk.
@@ -30,15 +34,19 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition, TableHandle};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Consumer, Delivery, Record, Store, StoreError, Versioned};
+use super::{Consumer, Delivery, Record, Store, StoreError, Versioned, check_transition};
 use crate::assignment::Placement;
 
-/// assignment id → (revision, record as JSON).
+/// assignment id → (revision, record as JSON): live records.
 const RECORDS: TableDefinition<&str, (u64, &[u8])> = TableDefinition::new("records");
+/// The same for finished records.
+const FINISHED: TableDefinition<&str, (u64, &[u8])> = TableDefinition::new("finished");
+/// (ended at, Unix ms; assignment id) of finished records.
+const FINISHED_BY_TIME: TableDefinition<(i64, &str), ()> = TableDefinition::new("finished_by_time");
 /// (placement, sequence) → (assignment id, deliveries so far).
 const QUEUE: TableDefinition<(&str, u64), (&str, u64)> = TableDefinition::new("queue");
 /// counter name → value.
@@ -70,13 +78,37 @@ impl Embedded {
     /// `Unavailable` when the file cannot be opened (e.g. another process holds it) or
     /// the tables cannot be created.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
+        private_file(path).map_err(|e| StoreError::Unavailable {
+            context: format!("making the redb store {} readable by its owner only (it holds tasks with their secrets)", path.display()),
+            source: Box::new(e),
+        })?;
         let db = Database::create(path).ctx(|| format!("opening redb store {}", path.display()))?;
         // Create the tables up front so read transactions never meet a missing table.
         let txn = db.begin_write().ctx(|| format!("initialising redb store {}", path.display()))?;
         {
-            txn.open_table(RECORDS).ctx(|| "creating table records".into())?;
+            let mut records = txn.open_table(RECORDS).ctx(|| "creating table records".into())?;
+            let mut finished = txn.open_table(FINISHED).ctx(|| "creating table finished".into())?;
+            let mut by_time = txn.open_table(FINISHED_BY_TIME).ctx(|| "creating table finished_by_time".into())?;
             txn.open_table(QUEUE).ctx(|| "creating table queue".into())?;
             txn.open_table(META).ctx(|| "creating table meta".into())?;
+            // Earlier builds kept finished records with the live ones, secrets and all.
+            let mut terminal = Vec::new();
+            for item in records.iter().ctx(|| "reading table records".into())? {
+                let (key, value) = item.ctx(|| "reading table records".into())?;
+                let (revision, bytes) = value.value();
+                if let Ok(record) = decode(key.value(), bytes)
+                    && record.is_terminal()
+                {
+                    terminal.push((revision, record));
+                }
+            }
+            for (revision, record) in terminal {
+                let id = record.assignment_id.clone();
+                let ended = Record { ended_at_ms: record.ended_at_ms.max(record.updated_at_ms), ..record.ended(result_of(&record), record.reason.as_deref()) };
+                records.remove(id.as_str()).ctx(|| format!("moving {id} to table finished"))?;
+                finished.insert(id.as_str(), (revision, encode(&ended)?.as_slice())).ctx(|| format!("moving {id} to table finished"))?;
+                by_time.insert((ended.ended_at_ms, id.as_str()), ()).ctx(|| format!("moving {id} to table finished"))?;
+            }
         }
         txn.commit().ctx(|| format!("initialising redb store {}", path.display()))?;
         Ok(Self {
@@ -196,16 +228,22 @@ fn encode(record: &Record) -> Result<Vec<u8>, StoreError> {
     serde_json::to_vec(record).map_err(|e| StoreError::Corrupt { key: record.assignment_id.clone(), reason: format!("cannot encode: {e}") })
 }
 
-/// The transition rule shared by both backends: a record may move along
-/// [`State::can_become`], or be rewritten in the same state (same variant: adding
-/// `environment`, or a recovering controller re-claiming with another holder).
-pub(super) fn check_transition(current: &Record, next: &Record) -> Result<(), StoreError> {
-    let same_state = std::mem::discriminant(&current.state) == std::mem::discriminant(&next.state);
-    if same_state || current.state.can_become(&next.state) {
-        Ok(())
-    } else {
-        Err(StoreError::InvalidTransition { assignment_id: next.assignment_id.clone(), from: current.state.clone(), to: next.state.clone() })
+/// The result name of a terminal record.
+fn result_of(record: &Record) -> String {
+    match &record.state {
+        super::State::Terminal { result } => result.clone(),
+        _ => String::new(),
     }
+}
+
+/// Creates `path` readable and writable by its owner only, or makes an existing file so.
+fn private_file(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).mode(0o600).open(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
 }
 
 /// One persist waiting to be committed, and where its outcome goes.
@@ -225,12 +263,13 @@ fn persist_batch_blocking(db: &Database, batch: Vec<PendingPersist>) {
         let mut created = Vec::with_capacity(batch.len());
         {
             let mut records = txn.open_table(RECORDS).ctx(what)?;
+            let finished = txn.open_table(FINISHED).ctx(what)?;
             let mut meta = txn.open_table(META).ctx(what)?;
             let mut queue = txn.open_table(QUEUE).ctx(what)?;
             let mut seq = meta.get(QUEUE_SEQ).ctx(what)?.map_or(0, |g| g.value());
             for pending in &batch {
                 let id = pending.record.assignment_id.as_str();
-                if records.get(id).ctx(what)?.is_some() {
+                if records.get(id).ctx(what)?.is_some() || finished.get(id).ctx(what)?.is_some() {
                     created.push(false);
                     continue;
                 }
@@ -259,28 +298,104 @@ fn persist_batch_blocking(db: &Database, batch: Vec<PendingPersist>) {
     }
 }
 
+/// A compare-and-set on the record, live or finished; a live record that becomes
+/// terminal moves to the finished ones in the same transaction.
 fn update_blocking(db: &Database, record: &Record, value: &[u8], expected: u64) -> Result<u64, StoreError> {
     let id = record.assignment_id.as_str();
     let what = || format!("updating {id}");
+    let read = |table: &redb::Table<&str, (u64, &[u8])>| -> Result<Option<(u64, Vec<u8>)>, StoreError> {
+        Ok(table.get(id).ctx(what)?.map(|g| {
+            let (revision, bytes) = g.value();
+            (revision, bytes.to_vec())
+        }))
+    };
     let txn = db.begin_write().ctx(what)?;
     let revision = {
         let mut records = txn.open_table(RECORDS).ctx(what)?;
-        let current = records.get(id).ctx(what)?.map(|g| {
-            let (revision, bytes) = g.value();
-            (revision, bytes.to_vec())
-        });
-        let Some((revision, bytes)) = current else {
-            return Err(StoreError::NotFound(id.to_owned()));
+        let mut finished = txn.open_table(FINISHED).ctx(what)?;
+        let mut by_time = txn.open_table(FINISHED_BY_TIME).ctx(what)?;
+        let (live, (revision, bytes)) = match read(&records)? {
+            Some(current) => (true, current),
+            None => (false, read(&finished)?.ok_or_else(|| StoreError::NotFound(id.to_owned()))?),
         };
         if revision != expected {
             return Err(StoreError::Conflict { assignment_id: id.to_owned(), expected });
         }
         check_transition(&decode(id, &bytes)?, record)?;
-        records.insert(id, (revision + 1, value)).ctx(what)?;
+        if live && !record.is_terminal() {
+            records.insert(id, (revision + 1, value)).ctx(what)?;
+        } else {
+            if live {
+                records.remove(id).ctx(what)?;
+            }
+            finished.insert(id, (revision + 1, value)).ctx(what)?;
+            by_time.insert((record.ended_at_ms, id), ()).ctx(what)?;
+        }
         revision + 1
     };
     txn.commit().ctx(what)?;
     Ok(revision)
+}
+
+fn list_table(db: &Database, table: TableDefinition<&str, (u64, &[u8])>) -> Result<Vec<Versioned<Record>>, StoreError> {
+    let what = || format!("listing table {}", table.name());
+    let txn = db.begin_read().ctx(what)?;
+    let records = txn.open_table(table).ctx(what)?;
+    let mut out = Vec::new();
+    for item in records.iter().ctx(what)? {
+        let (key, value) = item.ctx(what)?;
+        let (revision, bytes) = value.value();
+        out.push(Versioned { value: decode(key.value(), bytes)?, revision });
+    }
+    Ok(out)
+}
+
+fn prune_blocking(db: &Database, ended_before_ms: i64) -> Result<usize, StoreError> {
+    let what = || format!("removing records that ended before {ended_before_ms}");
+    let txn = db.begin_write().ctx(what)?;
+    let removed = {
+        let mut finished = txn.open_table(FINISHED).ctx(what)?;
+        let mut by_time = txn.open_table(FINISHED_BY_TIME).ctx(what)?;
+        let mut old = Vec::new();
+        for item in by_time.range((i64::MIN, "")..(ended_before_ms, "")).ctx(what)? {
+            let (key, _) = item.ctx(what)?;
+            let (at, id) = key.value();
+            old.push((at, id.to_owned()));
+        }
+        for (at, id) in &old {
+            // A finished record's end time never changes, so its entry here is its only one.
+            by_time.remove((*at, id.as_str())).ctx(what)?;
+            finished.remove(id.as_str()).ctx(what)?;
+        }
+        old.len()
+    };
+    txn.commit().ctx(what)?;
+    Ok(removed)
+}
+
+fn requeue_blocking(db: &Database, record: &Record) -> Result<(), StoreError> {
+    let id = record.assignment_id.as_str();
+    let placement = record.placement.to_string();
+    let what = || format!("queueing {id} again");
+    let txn = db.begin_write().ctx(what)?;
+    {
+        let records = txn.open_table(RECORDS).ctx(what)?;
+        let mut queue = txn.open_table(QUEUE).ctx(what)?;
+        let mut meta = txn.open_table(META).ctx(what)?;
+        let pending = records.get(id).ctx(what)?.map(|g| decode(id, g.value().1)).transpose()?.is_some_and(|r| r.state == super::State::Pending);
+        let mut queued = false;
+        for item in queue.range((placement.as_str(), 0)..=(placement.as_str(), u64::MAX)).ctx(what)? {
+            let (_, value) = item.ctx(what)?;
+            queued |= value.value().0 == id;
+        }
+        if pending && !queued {
+            let seq = meta.get(QUEUE_SEQ).ctx(what)?.map_or(0, |g| g.value()) + 1;
+            queue.insert((placement.as_str(), seq), (id, 0)).ctx(what)?;
+            meta.insert(QUEUE_SEQ, seq).ctx(what)?;
+        }
+    }
+    txn.commit().ctx(what)?;
+    Ok(())
 }
 
 /// Counts one more delivery of a queue entry; `None` if it was acknowledged meanwhile.
@@ -358,12 +473,14 @@ impl Store for Embedded {
         // Inline read transaction (see the module docs).
         let what = || format!("reading {assignment_id}");
         let txn = self.shared.db.begin_read().ctx(what)?;
-        let records = txn.open_table(RECORDS).ctx(what)?;
-        let Some(guard) = records.get(assignment_id).ctx(what)? else {
-            return Ok(None);
-        };
-        let (revision, bytes) = guard.value();
-        Ok(Some(Versioned { value: decode(assignment_id, bytes)?, revision }))
+        for table in [RECORDS, FINISHED] {
+            let records = txn.open_table(table).ctx(what)?;
+            if let Some(guard) = records.get(assignment_id).ctx(what)? {
+                let (revision, bytes) = guard.value();
+                return Ok(Some(Versioned { value: decode(assignment_id, bytes)?, revision }));
+            }
+        }
+        Ok(None)
     }
 
     async fn update(&self, record: &Record, expected: u64) -> Result<u64, StoreError> {
@@ -375,19 +492,26 @@ impl Store for Embedded {
 
     async fn list(&self) -> Result<Vec<Versioned<Record>>, StoreError> {
         let shared = Arc::clone(&self.shared);
-        blocking("list", move || {
-            let what = || "listing records".to_owned();
-            let txn = shared.db.begin_read().ctx(what)?;
-            let records = txn.open_table(RECORDS).ctx(what)?;
-            let mut out = Vec::new();
-            for item in records.iter().ctx(what)? {
-                let (key, value) = item.ctx(what)?;
-                let (revision, bytes) = value.value();
-                out.push(Versioned { value: decode(key.value(), bytes)?, revision });
-            }
-            Ok(out)
-        })
-        .await
+        blocking("list", move || list_table(&shared.db, RECORDS)).await
+    }
+
+    async fn list_finished(&self) -> Result<Vec<Versioned<Record>>, StoreError> {
+        let shared = Arc::clone(&self.shared);
+        blocking("list", move || list_table(&shared.db, FINISHED)).await
+    }
+
+    async fn prune(&self, ended_before_ms: i64) -> Result<usize, StoreError> {
+        let shared = Arc::clone(&self.shared);
+        blocking("prune", move || prune_blocking(&shared.db, ended_before_ms)).await
+    }
+
+    async fn requeue(&self, record: &Record, _generation: u32) -> Result<(), StoreError> {
+        // One process owns the file: "no queue entry for it" is known exactly, so the
+        // generation is not needed to keep a second copy out.
+        let (shared, record) = (Arc::clone(&self.shared), record.clone());
+        blocking("requeue", move || requeue_blocking(&shared.db, &record)).await?;
+        self.shared.notify.notify_waiters();
+        Ok(())
     }
 
     /// Entries of the placement that were never delivered: the same figure as the
@@ -619,6 +743,9 @@ mod tests {
             runner: String::new(),
             phase: None,
             timeline: Vec::new(),
+            reason: None,
+            ended_at_ms: 0,
+            attempts: 0,
         }
     }
 

@@ -7,10 +7,17 @@
 //! - Consumers: one durable pull consumer per placement, `worker-<class>-<driver>`,
 //!   filtered on the placement's subject, explicit acks, `MaxAckPending` = the pool's
 //!   capacity, `AckWait` from [`JetStream::connect`].
-//! - Records: a KV bucket, key = assignment id, value = [`Record`] as JSON; the KV
-//!   revision is the compare-and-set revision.
+//! - Records: a KV bucket of the live records, key = assignment id, value = [`Record`]
+//!   as JSON; the KV revision is the compare-and-set revision. A record that becomes
+//!   terminal is written there (the compare-and-set), copied to `<bucket>-finished`
+//!   (whose entries age out after the retention) and deleted from the live bucket; a
+//!   crash between those steps leaves a terminal record in the live bucket, which the
+//!   next [`Store::list`] moves on.
+//! - Sizes: a record must fit the servers' `max_payload` (1 MiB by default); one that
+//!   does not is [`StoreError::TooLarge`] at once instead of a write the server refuses
+//!   again and again.
 
-use std::time::Duration;
+use std::{path::PathBuf, time::Duration};
 
 use async_nats::jetstream::{
     self, AckKind,
@@ -24,7 +31,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
 
-use super::{Consumer, Delivery, Record, State, Store, StoreError, Versioned, embedded::check_transition};
+use super::{Consumer, Delivery, Record, State, Store, StoreError, Versioned, check_transition};
 use crate::assignment::Placement;
 
 /// The header a KV delete or purge marker carries (the value is `DEL` or `PURGE`).
@@ -38,13 +45,75 @@ const DUPLICATE_WINDOW: Duration = Duration::from_secs(60 * 60);
 /// How many records `list` reads at once.
 const LIST_CONCURRENCY: usize = 32;
 
+/// How to reach and lay out the JetStream store (`[store]` with `kind = "jetstream"`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// `nats://host:4222`, several comma-separated for a cluster. Credentials never go
+    /// here: see `credentials_file` and `token_file`.
+    pub url: String,
+    pub subject: String,
+    pub bucket: String,
+    pub ack_wait: Duration,
+    pub replicas: usize,
+    /// How long finished records are kept.
+    pub retention: Duration,
+    /// A NATS credentials file (`.creds`: user JWT and NKey seed).
+    pub credentials_file: Option<PathBuf>,
+    /// A file holding a NATS token.
+    pub token_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("url", &redact_url(&self.url))
+            .field("subject", &self.subject)
+            .field("bucket", &self.bucket)
+            .field("replicas", &self.replicas)
+            .field("retention", &self.retention)
+            .field("credentials_file", &self.credentials_file)
+            .field("token_file", &self.token_file)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Settings {
+    pub fn new(url: &str, subject: &str, bucket: &str, ack_wait: Duration) -> Settings {
+        Settings {
+            url: url.to_owned(),
+            subject: subject.to_owned(),
+            bucket: bucket.to_owned(),
+            ack_wait,
+            replicas: 1,
+            retention: super::DEFAULT_RETENTION,
+            credentials_file: None,
+            token_file: None,
+        }
+    }
+}
+
+/// `nats://user:secret@host:4222,…` → `nats://***@host:4222,…`: a URL fit for logs.
+pub fn redact_url(url: &str) -> String {
+    url.split(',')
+        .map(|server| match (server.find("://"), server.rfind('@')) {
+            (Some(scheme), Some(at)) if at > scheme => format!("{}***{}", &server[..scheme + 3], &server[at..]),
+            (None, Some(at)) => format!("***{}", &server[at..]),
+            _ => server.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The JetStream store.
 #[derive(Clone)]
 pub struct JetStream {
     context: jetstream::Context,
     stream: stream::Stream<()>,
     kv: kv::Store,
+    finished: kv::Store,
     leases: kv::Store,
+    /// The servers' largest message.
+    max_payload: usize,
     base: String,
     stream_name: String,
     bucket: String,
@@ -95,7 +164,8 @@ async fn set_up(
     base_subject: &str,
     bucket: &str,
     replicas: usize,
-) -> Result<(stream::Stream<()>, kv::Store, kv::Store), StoreError> {
+    retention: Duration,
+) -> Result<(stream::Stream<()>, kv::Store, kv::Store, kv::Store), StoreError> {
     context
         .create_or_update_stream(stream::Config {
             name: stream_name.to_owned(),
@@ -123,6 +193,19 @@ async fn set_up(
         })
         .await
         .map_err(unavailable(format!("creating or updating KV bucket {bucket}")))?;
+    let finished_bucket = format!("{bucket}-finished");
+    let finished = context
+        .create_or_update_key_value(kv::Config {
+            bucket: finished_bucket.clone(),
+            description: "gitea-dynamic-runner finished assignment records (credentials removed), kept for the retention".into(),
+            history: 1,
+            max_age: retention,
+            storage: StorageType::File,
+            num_replicas: replicas,
+            ..Default::default()
+        })
+        .await
+        .map_err(unavailable(format!("creating or updating KV bucket {finished_bucket}")))?;
     let leases_bucket = format!("{bucket}-leases");
     let leases = context
         .create_or_update_key_value(kv::Config {
@@ -136,7 +219,7 @@ async fn set_up(
         .await
         .map_err(unavailable(format!("creating or updating KV bucket {leases_bucket}")))?;
 
-    Ok((stream, kv, leases))
+    Ok((stream, kv, finished, leases))
 }
 
 /// A timeout or a temporarily unavailable JetStream, which a retry can outlast. The
@@ -169,7 +252,7 @@ impl JetStream {
     /// `Unavailable` when the server cannot be reached or refuses the stream or bucket
     /// (e.g. a stream of that name exists with a configuration that cannot be updated).
     pub async fn connect(url: &str, base_subject: &str, bucket: &str, ack_wait: Duration) -> Result<Self, StoreError> {
-        Self::connect_replicated(url, base_subject, bucket, ack_wait, 1).await
+        Self::connect_with(&Settings::new(url, base_subject, bucket, ack_wait)).await
     }
 
     /// [`JetStream::connect`] with `replicas` copies of the stream and the buckets (3 on a
@@ -179,17 +262,38 @@ impl JetStream {
     /// # Errors
     /// As [`JetStream::connect`]; also an unparsable server address.
     pub async fn connect_replicated(url: &str, base_subject: &str, bucket: &str, ack_wait: Duration, replicas: usize) -> Result<Self, StoreError> {
-        let servers: Vec<async_nats::ServerAddr> = url
+        Self::connect_with(&Settings { replicas, ..Settings::new(url, base_subject, bucket, ack_wait) }).await
+    }
+
+    /// Connects as `settings` say (credentials from their files) and sets up the stream
+    /// and the buckets.
+    ///
+    /// # Errors
+    /// As [`JetStream::connect`]; also an unreadable credentials or token file.
+    pub async fn connect_with(settings: &Settings) -> Result<Self, StoreError> {
+        let (url, base_subject, bucket, ack_wait, replicas) =
+            (redact_url(&settings.url), settings.subject.as_str(), settings.bucket.as_str(), settings.ack_wait, settings.replicas);
+        let url = url.as_str();
+        let servers: Vec<async_nats::ServerAddr> = settings
+            .url
             .split(',')
             .map(|server| server.trim().parse::<async_nats::ServerAddr>())
             .collect::<Result<_, _>>()
             .map_err(unavailable(format!("reading the NATS server list {url}")))?;
-        let client = async_nats::ConnectOptions::new()
-            .name("gitea-dynamic-runner controller")
-            .retry_on_initial_connect()
-            .connect(servers)
-            .await
-            .map_err(unavailable(format!("connecting to NATS at {url}")))?;
+        let mut options = async_nats::ConnectOptions::new().name("gitea-dynamic-runner controller").retry_on_initial_connect();
+        if let Some(file) = &settings.credentials_file {
+            options = async_nats::ConnectOptions::with_credentials_file(file.clone())
+                .await
+                .map_err(unavailable(format!("reading the NATS credentials file {} (store.credentials_file)", file.display())))?
+                .name("gitea-dynamic-runner controller")
+                .retry_on_initial_connect();
+        }
+        if let Some(file) = &settings.token_file {
+            let token = std::fs::read_to_string(file).map_err(unavailable(format!("reading the NATS token file {} (store.token_file)", file.display())))?;
+            options = options.token(token.trim().to_owned());
+        }
+        let client = options.connect(servers).await.map_err(unavailable(format!("connecting to NATS at {url}")))?;
+        let max_payload = client.server_info().max_payload;
         let context = jetstream::new(client);
 
         let stream_name = stream_name(base_subject);
@@ -197,11 +301,15 @@ impl JetStream {
         // just created) times out JetStream requests or has replicated streams without a
         // leader for a few seconds: keep trying for a while instead of exiting, and fail
         // at once on anything else (a stream of that name with another configuration…).
-        let replicated = if replicas > 1 { vec![stream_name.clone(), format!("KV_{bucket}"), format!("KV_{bucket}-leases")] } else { Vec::new() };
+        let replicated = if replicas > 1 {
+            vec![stream_name.clone(), format!("KV_{bucket}"), format!("KV_{bucket}-finished"), format!("KV_{bucket}-leases")]
+        } else {
+            Vec::new()
+        };
         let deadline = std::time::Instant::now() + SET_UP_PATIENCE;
         let mut pause = Duration::from_millis(250);
-        let (stream, kv, leases) = loop {
-            let (error, transient) = match set_up(&context, &stream_name, base_subject, bucket, replicas).await {
+        let (stream, kv, finished, leases) = loop {
+            let (error, transient) = match set_up(&context, &stream_name, base_subject, bucket, replicas, settings.retention).await {
                 Ok(handles) => match without_leader(&context, &replicated).await {
                     None => break handles,
                     Some(name) => (
@@ -220,11 +328,50 @@ impl JetStream {
             if !transient || std::time::Instant::now() + pause >= deadline {
                 return Err(error);
             }
-            tracing::warn!(url, "JetStream is not answering yet (a cluster electing its leaders?); retrying: {}", crate::error_chain(&error));
+            tracing::warn!(url, error = %crate::error_chain(&error), "JetStream is not answering yet (a cluster electing its leaders?); retrying");
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(4));
         };
-        Ok(Self { context, stream, kv, leases, base: base_subject.to_owned(), stream_name, bucket: bucket.to_owned(), ack_wait })
+        Ok(Self {
+            context,
+            stream,
+            kv,
+            finished,
+            leases,
+            max_payload: if max_payload == 0 { 1 << 20 } else { max_payload },
+            base: base_subject.to_owned(),
+            stream_name,
+            bucket: bucket.to_owned(),
+            ack_wait,
+        })
+    }
+
+    /// The record's bytes, refused when no server would take them. The headroom is for
+    /// the message's subject and headers.
+    fn encode_fitting(&self, record: &Record) -> Result<Bytes, StoreError> {
+        let value = encode(record)?;
+        let limit = self.max_payload.saturating_sub(1024);
+        if value.len() > limit {
+            return Err(StoreError::TooLarge {
+                assignment_id: record.assignment_id.clone(),
+                size: value.len(),
+                limit,
+                hint: "; raise max_payload on the NATS servers (e.g. 8MB) to store tasks this large",
+            });
+        }
+        Ok(value)
+    }
+
+    /// Copies a terminal record to the finished bucket and deletes it from the live one
+    /// (if it is still at `revision`); best effort — the next `list` finishes a move a
+    /// crash cut short. Returns the revision it has in the finished bucket.
+    async fn move_to_finished(&self, record: &Record, revision: u64) -> Result<u64, StoreError> {
+        let id = &record.assignment_id;
+        let finished =
+            self.finished.put(id, encode(record)?).await.map_err(unavailable(format!("copying finished record {id} to bucket {}-finished", self.bucket)))?;
+        // Another writer that changed it meanwhile wins; its own write moves it again.
+        let _ = self.kv.delete_expect_revision(id, Some(revision)).await;
+        Ok(finished)
     }
 
     fn subject(&self, placement: &str) -> String {
@@ -245,6 +392,44 @@ impl JetStream {
             .map_err(unavailable(what()))?;
         Ok(())
     }
+}
+
+impl JetStream {
+    /// The live record, if any.
+    async fn get_live(&self, assignment_id: &str) -> Result<Option<Versioned<Record>>, StoreError> {
+        read_confirmed(&self.kv, &self.bucket, assignment_id).await
+    }
+
+    /// The finished record, if it is still kept.
+    async fn get_finished(&self, assignment_id: &str) -> Result<Option<Versioned<Record>>, StoreError> {
+        read_confirmed(&self.finished, &format!("{}-finished", self.bucket), assignment_id).await
+    }
+}
+
+/// Reads one record of `bucket`. Any replica may answer a KV read (direct get), and one
+/// that has not yet applied a put answers "no record": the worker then dropped the
+/// queued assignment and the task never ran (found by the kill campaign on a three-node
+/// cluster). A present record may be a little old — every write is a compare-and-set
+/// the leader checks — but "absent" is confirmed by the leader.
+async fn read_confirmed(kv: &kv::Store, bucket: &str, assignment_id: &str) -> Result<Option<Versioned<Record>>, StoreError> {
+    let entry = kv.entry(assignment_id).await.map_err(unavailable(format!("reading record {assignment_id} from bucket {bucket}")))?;
+    if let Some(entry) = entry
+        && entry.operation == kv::Operation::Put
+    {
+        return Ok(Some(Versioned { value: decode(assignment_id, &entry.value)?, revision: entry.revision }));
+    }
+    let subject = format!("{}{assignment_id}", kv.prefix);
+    let message = match kv.stream.get_last_raw_message_by_subject(&subject).await {
+        Ok(message) => message,
+        Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+        Err(error) => return Err(unavailable(format!("confirming with the leader that record {assignment_id} is absent from bucket {bucket}"))(error)),
+    };
+    // Deleted or purged keys read as absent.
+    let operation = message.headers.get(KV_OPERATION).map(|v| v.as_str().to_owned());
+    if operation.as_deref().is_some_and(|op| op == "DEL" || op == "PURGE") {
+        return Ok(None);
+    }
+    Ok(Some(Versioned { value: decode(assignment_id, &message.payload)?, revision: message.sequence }))
 }
 
 fn decode(key: &str, bytes: &[u8]) -> Result<Record, StoreError> {
@@ -287,7 +472,10 @@ impl Store for JetStream {
     /// record that already moved on from Pending is not enqueued again.
     async fn persist(&self, record: &Record) -> Result<bool, StoreError> {
         let id = &record.assignment_id;
-        let value = encode(record)?;
+        let value = self.encode_fitting(record)?;
+        if self.finished.entry(id).await.map_err(unavailable(format!("reading finished record {id}")))?.is_some_and(|e| e.operation == kv::Operation::Put) {
+            return Ok(false);
+        }
         let unanswered = |error: &kv::CreateError| crate::error_chain(error).contains("no responders");
         let created = match retry_no_responders(|| self.kv.create(id, value.clone()), unanswered).await {
             Ok(_) => true,
@@ -309,48 +497,35 @@ impl Store for JetStream {
     }
 
     async fn get(&self, assignment_id: &str) -> Result<Option<Versioned<Record>>, StoreError> {
-        // Any replica may answer a KV read (direct get), and one that has not yet applied
-        // the scheduler's put answers "no record": the worker then dropped the queued
-        // assignment and the task never ran (found by the kill campaign on a three-node
-        // cluster). A present record may be a little old — every write is a
-        // compare-and-set the leader checks — but "absent" is confirmed by the leader.
-        let entry = self.kv.entry(assignment_id).await.map_err(unavailable(format!("reading record {assignment_id} from bucket {}", self.bucket)))?;
-        match entry {
-            Some(entry) if entry.operation == kv::Operation::Put => {
-                return Ok(Some(Versioned { value: decode(assignment_id, &entry.value)?, revision: entry.revision }));
-            }
-            _ => {}
+        match self.get_live(assignment_id).await? {
+            Some(live) => Ok(Some(live)),
+            None => self.get_finished(assignment_id).await,
         }
-        let subject = format!("{}{assignment_id}", self.kv.prefix);
-        let message = match self.kv.stream.get_last_raw_message_by_subject(&subject).await {
-            Ok(message) => message,
-            Err(error) if error.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
-            Err(error) => {
-                return Err(unavailable(format!("confirming with the leader that record {assignment_id} is absent from bucket {}", self.bucket))(error));
-            }
-        };
-        // Deleted or purged keys read as absent.
-        let operation = message.headers.get(KV_OPERATION).map(|v| v.as_str().to_owned());
-        if operation.as_deref().is_some_and(|op| op == "DEL" || op == "PURGE") {
-            return Ok(None);
-        }
-        Ok(Some(Versioned { value: decode(assignment_id, &message.payload)?, revision: message.sequence }))
     }
 
     async fn update(&self, record: &Record, expected: u64) -> Result<u64, StoreError> {
         let id = &record.assignment_id;
-        let current = self.get(id).await?.ok_or_else(|| StoreError::NotFound(id.clone()))?;
+        // A finished record is rewritten where it is (a phase reported after the end).
+        let (current, bucket) = match self.get_live(id).await? {
+            Some(live) => (live, &self.kv),
+            None => (self.get_finished(id).await?.ok_or_else(|| StoreError::NotFound(id.clone()))?, &self.finished),
+        };
         if current.revision != expected {
             return Err(StoreError::Conflict { assignment_id: id.clone(), expected });
         }
         // Checked against the value at `expected`; the update below only succeeds if
         // that is still the latest value, so check and write cannot be split.
         check_transition(&current.value, record)?;
-        match self.kv.update(id, encode(record)?, expected).await {
-            Ok(revision) => Ok(revision),
-            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Err(StoreError::Conflict { assignment_id: id.clone(), expected }),
-            Err(e) => Err(unavailable(format!("updating record {id} at revision {expected}"))(e)),
+        let value = self.encode_fitting(record)?;
+        let revision = match bucket.update(id, value, expected).await {
+            Ok(revision) => revision,
+            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => return Err(StoreError::Conflict { assignment_id: id.clone(), expected }),
+            Err(e) => return Err(unavailable(format!("updating record {id} at revision {expected}"))(e)),
+        };
+        if record.is_terminal() && std::ptr::eq(bucket, &self.kv) {
+            return self.move_to_finished(record, revision).await;
         }
+        Ok(revision)
     }
 
     async fn lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
@@ -396,6 +571,46 @@ impl Store for JetStream {
         Ok(())
     }
 
+    async fn list_finished(&self) -> Result<Vec<Versioned<Record>>, StoreError> {
+        let what = || format!("listing keys of bucket {}-finished", self.bucket);
+        let prefix = self.finished.prefix.as_str();
+        let subjects: Vec<(String, usize)> = self
+            .finished
+            .stream
+            .info_with_subjects(format!("{prefix}>"))
+            .await
+            .map_err(unavailable(what()))?
+            .try_collect()
+            .await
+            .map_err(unavailable(what()))?;
+        let mut records = Vec::new();
+        for key in subjects.into_iter().filter_map(|(subject, _)| subject.strip_prefix(prefix).map(str::to_owned)) {
+            if let Some(record) = self.get_finished(&key).await? {
+                records.push(record);
+            }
+        }
+        Ok(records)
+    }
+
+    /// Nothing to do: the finished bucket's age limit (the retention) removes them.
+    async fn prune(&self, _ended_before_ms: i64) -> Result<usize, StoreError> {
+        Ok(0)
+    }
+
+    /// Published with `Nats-Msg-Id` `<id>.<generation>`: a new message the stream keeps
+    /// even while the first one's id is in its duplicate window, and the same call
+    /// repeated adds nothing.
+    async fn requeue(&self, record: &Record, generation: u32) -> Result<(), StoreError> {
+        let id = &record.assignment_id;
+        let subject = self.subject(&record.placement.to_string());
+        let publish = PublishMessage::build().message_id(format!("{id}.{generation}")).payload(Bytes::from(id.clone()));
+        let unanswered = |error: &PublishError| error.kind() == PublishErrorKind::StreamNotFound;
+        retry_no_responders(|| async { self.context.send_publish(subject.clone(), publish.clone()).await?.await }, unanswered)
+            .await
+            .map_err(unavailable(format!("queueing {id} again on {subject}")))?;
+        Ok(())
+    }
+
     async fn list(&self) -> Result<Vec<Versioned<Record>>, StoreError> {
         // The keys come from the bucket stream's subjects as its leader reports them:
         // `kv.keys()` reads through an ephemeral consumer that may sit on a replica still
@@ -407,9 +622,20 @@ impl Store for JetStream {
             self.kv.stream.info_with_subjects(format!("{prefix}>")).await.map_err(unavailable(what()))?.try_collect().await.map_err(unavailable(what()))?;
         let keys: Vec<String> = subjects.into_iter().filter_map(|(subject, _)| subject.strip_prefix(prefix).map(str::to_owned)).collect();
         let records: Vec<Option<Versioned<Record>>> =
-            futures_util::stream::iter(keys).map(|key| async move { self.get(&key).await }).buffered(LIST_CONCURRENCY).try_collect().await?;
-        // A key deleted between listing and reading is simply gone.
-        Ok(records.into_iter().flatten().collect())
+            futures_util::stream::iter(keys).map(|key| async move { self.get_live(&key).await }).buffered(LIST_CONCURRENCY).try_collect().await?;
+        // A key deleted between listing and reading is simply gone; a terminal one is a
+        // move a crash cut short: finished now.
+        let mut live = Vec::new();
+        for record in records.into_iter().flatten() {
+            if record.value.is_terminal() {
+                if let Err(error) = self.move_to_finished(&record.value, record.revision).await {
+                    tracing::warn!(assignment.id = %record.value.assignment_id, error = %crate::error_chain(&error), "cannot move a finished record yet");
+                }
+            } else {
+                live.push(record);
+            }
+        }
+        Ok(live)
     }
 
     /// The placement consumer's `num_pending`: messages on its subject not yet delivered

@@ -11,6 +11,13 @@
 //!
 //! Records, not process memory, hold what must survive a restart: a restarted or a
 //! second controller continues where the first stopped.
+//!
+//! Live and finished records are kept apart: [`Store::list`] reads only the live ones
+//! (what the reconciler, keep-alive and recovery scan every few seconds), so its cost
+//! follows the work in flight, not the history. A record that becomes terminal moves to
+//! the finished records with its task's credentials removed
+//! (`envelope::redacted`), and goes for good after the retention ([`Store::prune`], or
+//! the finished bucket's age limit on JetStream).
 
 pub mod embedded;
 pub mod jetstream;
@@ -57,7 +64,9 @@ pub struct Record {
     #[serde(default)]
     pub runner: String,
     pub state: State,
-    /// The versioned assignment envelope (holds the full protobuf Task).
+    /// The versioned assignment envelope (holds the full protobuf Task; its secrets are
+    /// removed once the assignment is terminal). Stored as its JSON text.
+    #[serde(with = "envelope_text")]
     pub envelope: Vec<u8>,
     /// The driver's name for the environment once it was created (recovery metadata).
     pub environment: Option<String>,
@@ -74,6 +83,15 @@ pub struct Record {
     /// in the order reported: where a job's start-up time went.
     #[serde(default)]
     pub timeline: Vec<(String, i64)>,
+    /// Why the controller ended it (the line it wrote into the job's log), for operators.
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// When it became terminal (Unix ms); 0 while it is live.
+    #[serde(default)]
+    pub ended_at_ms: i64,
+    /// Environments made for it that ended before their claim (each retried).
+    #[serde(default)]
+    pub attempts: u32,
 }
 
 impl Record {
@@ -90,13 +108,72 @@ impl Record {
             created_at_ms: fetched_at_ms,
             phase: None,
             timeline: Vec::new(),
+            reason: None,
+            ended_at_ms: 0,
+            attempts: 0,
         }
     }
 
     pub fn is_terminal(&self) -> bool {
         matches!(self.state, State::Terminal { .. })
     }
+
+    /// This record ended with `result`: terminal, the reason kept, the task's credentials
+    /// removed.
+    pub fn ended(&self, result: String, reason: Option<&str>) -> Record {
+        Record {
+            state: State::Terminal { result },
+            reason: reason.map(str::to_owned),
+            ended_at_ms: now_ms(),
+            envelope: crate::assignment::envelope::redacted(&self.envelope),
+            ..self.clone()
+        }
+    }
 }
+
+/// The envelope is JSON text: stored as a JSON string (earlier builds wrote an array of
+/// byte values, five times the size; both are read).
+mod envelope_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => serializer.serialize_str(text),
+            Err(_) => serializer.collect_seq(bytes),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Stored {
+            Text(String),
+            Bytes(Vec<u8>),
+        }
+        Ok(match Stored::deserialize(deserializer)? {
+            Stored::Text(text) => text.into_bytes(),
+            Stored::Bytes(bytes) => bytes,
+        })
+    }
+}
+
+/// The transition rule of both backends: a record may move along [`State::can_become`],
+/// or be rewritten in the same state (same variant: adding `environment`, or a
+/// recovering controller re-claiming with another holder).
+///
+/// # Errors
+/// [`StoreError::InvalidTransition`].
+pub fn check_transition(current: &Record, next: &Record) -> Result<(), StoreError> {
+    let same_state = std::mem::discriminant(&current.state) == std::mem::discriminant(&next.state);
+    if same_state || current.state.can_become(&next.state) {
+        Ok(())
+    } else {
+        Err(StoreError::InvalidTransition { assignment_id: next.assignment_id.clone(), from: current.state.clone(), to: next.state.clone() })
+    }
+}
+
+/// How long finished records are kept by default (`store.retention`).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(3 * 24 * 3600);
 
 /// A lease as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -130,6 +207,9 @@ pub enum StoreError {
     },
     #[error("corrupt record {key}: {reason}")]
     Corrupt { key: String, reason: String },
+    /// The record cannot be stored at all: retrying cannot help.
+    #[error("record {assignment_id} is {size} bytes, more than the store takes ({limit} bytes){hint}")]
+    TooLarge { assignment_id: String, size: usize, limit: usize, hint: &'static str },
 }
 
 impl StoreError {
@@ -140,6 +220,7 @@ impl StoreError {
             StoreError::InvalidTransition { .. } => "invalid_transition",
             StoreError::Unavailable { .. } => "unavailable",
             StoreError::Corrupt { .. } => "corrupt",
+            StoreError::TooLarge { .. } => "too_large",
         }
     }
 }
@@ -183,8 +264,21 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// may be rewritten in the same state, e.g. to add `environment`).
     async fn update(&self, record: &Record, expected: u64) -> Result<u64, StoreError>;
 
-    /// Every record (for keep-alive and recovery).
+    /// Every live record (not terminal): what keep-alive, recovery and the reconciler
+    /// scan. Its cost follows the work in flight, not the history.
     async fn list(&self) -> Result<Vec<Versioned<Record>>, StoreError>;
+
+    /// Every finished record still kept (operators, tests).
+    async fn list_finished(&self) -> Result<Vec<Versioned<Record>>, StoreError>;
+
+    /// Removes finished records that ended before `ended_before_ms`; returns how many.
+    /// (JetStream also ages them out by itself.)
+    async fn prune(&self, ended_before_ms: i64) -> Result<usize, StoreError>;
+
+    /// Queues a pending assignment again under a new delivery (its environment ended
+    /// before the claim and is to be made again). `generation` tells the deliveries of
+    /// one assignment apart; a repeated call with the same one adds nothing.
+    async fn requeue(&self, record: &Record, generation: u32) -> Result<(), StoreError>;
 
     /// Takes or renews the lease `name` for `holder` until `ttl` from now; false while
     /// another holder's lease has not expired. (One scheduler per registration fetches at

@@ -46,6 +46,13 @@ pub struct EnvironmentSettings {
     /// environment's name and labels.
     pub instance: String,
     pub capability_ttl: Duration,
+    /// `facade.environment_socket_dir`: environments of `socket_placements` get their
+    /// own socket and capability file there instead of `facade_url` and a capability in
+    /// their configuration.
+    pub socket_dir: Option<std::path::PathBuf>,
+    /// Normally `facade::sockets::PLACEMENTS`; run-local runs any container placement
+    /// in a local container.
+    pub socket_placements: Vec<crate::assignment::Placement>,
 }
 
 #[derive(Debug)]
@@ -58,6 +65,11 @@ pub struct Worker {
     rules: Rules,
     lifecycle: Lifecycle,
     reconciler: reconciler::Reconciler,
+    /// The facade's per-environment sockets, when the facade runs in this process: the
+    /// socket is open before the environment starts (another process's facade opens it
+    /// within its next sync, and the supervisor retries until then).
+    sockets: Option<Arc<crate::facade::EnvironmentSockets>>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
     /// How long a delivery waits for a slot before it goes back to the queue.
     hold: Duration,
     /// The delay of a delivery given back.
@@ -77,8 +89,14 @@ impl Worker {
         rules: Rules,
         lifecycle: Lifecycle,
     ) -> Self {
-        let reconciler =
-            reconciler::Reconciler::new(Arc::clone(&runtime), Arc::clone(&driver), Arc::clone(&store), lifecycle.clone(), settings.instance.clone());
+        let reconciler = reconciler::Reconciler::new(
+            Arc::clone(&runtime),
+            Arc::clone(&driver),
+            Arc::clone(&store),
+            lifecycle.clone(),
+            settings.instance.clone(),
+            Arc::clone(&key),
+        );
         Worker {
             runtime,
             driver,
@@ -88,10 +106,28 @@ impl Worker {
             rules,
             lifecycle,
             reconciler,
+            sockets: None,
+            metrics: None,
             hold: Duration::from_secs(20),
             nak_delay: Duration::from_secs(1),
             sweep_interval: Duration::from_secs(10),
         }
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    fn beat(&self, what: &str) {
+        if let Some(metrics) = &self.metrics {
+            metrics.beat(&format!("{what} {}", self.runtime.placement));
+        }
+    }
+
+    pub fn with_sockets(mut self, sockets: Option<Arc<crate::facade::EnvironmentSockets>>) -> Self {
+        self.sockets = sockets;
+        self
     }
 
     pub fn with_nak_delay(mut self, delay: Duration) -> Self {
@@ -123,7 +159,7 @@ impl Worker {
         let selector = driver::selector(&self.settings.instance, placement);
         let mut adopted = 0;
         for environment in self.driver.list(&selector).await? {
-            if environment.phase == Phase::Running {
+            if environment.phase == Phase::Running && self.reconciler.made_here(&environment) {
                 self.runtime.pool.adopt(&environment.assignment_id);
                 adopted += 1;
             }
@@ -138,6 +174,15 @@ impl Worker {
     /// When the consumer cannot be created for a reason other than an unavailable store.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), StoreError> {
         let placement = self.runtime.placement;
+        // The pool first: what runs holds its slots before anything new is made.
+        let mut backoff = contract::backoff::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        while let Err(error) = self.recover().await {
+            tracing::warn!(%placement, %error, "cannot list this placement's environments to rebuild its pool; retrying");
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                () = tokio::time::sleep(backoff.next_delay()) => {}
+            }
+        }
         // A store that does not answer yet (a cluster electing leaders after a node
         // restarted) is waited for, as the loop below waits for its queue: exiting would
         // take the facade and the scheduler of this process down with the worker.
@@ -160,6 +205,7 @@ impl Worker {
         helpers.spawn(Arc::clone(&self).watch(shutdown.clone()));
         helpers.spawn(Arc::clone(&self).sweep(shutdown.clone()));
         while !shutdown.is_cancelled() {
+            self.beat("worker");
             let next = tokio::select! {
                 () = shutdown.cancelled() => break,
                 next = consumer.next(Duration::from_secs(1)) => next,
@@ -177,11 +223,23 @@ impl Worker {
             }
         }
         while helpers.join_next().await.is_some() {}
+        if let Some(metrics) = &self.metrics {
+            metrics.forget(&format!("worker {placement}"));
+            metrics.forget(&format!("reconciler {placement}"));
+        }
         Ok(())
     }
 
     /// Reacts to environments that end on their own, as the driver reports them.
+    /// Each change is settled on its own task: settling may wait for a deletion (a Pod's
+    /// grace period), which must not hold back the changes behind it.
     async fn watch(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut settling = tokio::task::JoinSet::new();
+        self.watch_changes(&mut settling, &shutdown).await;
+        while settling.join_next().await.is_some() {}
+    }
+
+    async fn watch_changes(self: &Arc<Self>, settling: &mut tokio::task::JoinSet<()>, shutdown: &CancellationToken) {
         use futures_util::StreamExt as _;
         while !shutdown.is_cancelled() {
             let mut changes = match self.driver.changes().await {
@@ -202,7 +260,11 @@ impl Worker {
                 };
                 match change {
                     Some(environment) => {
-                        self.reconciler.settle(environment).await;
+                        let worker = Arc::clone(self);
+                        settling.spawn(async move {
+                            worker.reconciler.settle(environment).await;
+                        });
+                        while settling.try_join_next().is_some() {}
                     }
                     None => break,
                 }
@@ -212,6 +274,7 @@ impl Worker {
 
     async fn sweep(self: Arc<Self>, shutdown: CancellationToken) {
         loop {
+            self.beat("reconciler");
             if let Err(error) = self.reconciler.sweep().await {
                 tracing::warn!(placement = %self.runtime.placement, %error, "reconciliation failed");
             }
@@ -291,8 +354,14 @@ impl Worker {
                 return Err(error);
             }
         };
+        if let Err(error) = self.prepare_facade(&spec) {
+            self.runtime.pool.release(assignment_id);
+            return Err(error);
+        }
         crate::failpoint::hit("before-create");
-        let environment = match self.driver.create(&spec).await {
+        let created = self.driver.create(&spec).await;
+        self.runtime.pool.created(assignment_id);
+        let environment = match created {
             Ok(environment) => environment,
             Err(error) => {
                 self.runtime.pool.release(assignment_id);
@@ -317,6 +386,21 @@ impl Worker {
         Ok(Placed::Done)
     }
 
+    /// The environment's own facade directory with its capability file, and its socket
+    /// when the facade is in this process.
+    fn prepare_facade(&self, spec: &EnvironmentSpec) -> Result<(), PlaceError> {
+        let Some(facade_dir) = &spec.facade_dir else { return Ok(()) };
+        let (Some(dir), Some(name)) = (facade_dir.host.parent(), facade_dir.host.file_name()) else {
+            return Err(PlaceError::Facade(format!("{} is not a directory of facade.environment_socket_dir", facade_dir.host.display())));
+        };
+        crate::facade::sockets::prepare_environment_dir(dir, &name.to_string_lossy(), &facade_dir.capability)
+            .map_err(|error| PlaceError::Facade(format!("cannot prepare {}: {error}", facade_dir.host.display())))?;
+        if let Some(sockets) = &self.sockets {
+            sockets.open(&spec.assignment_id).map_err(|error| PlaceError::Facade(crate::error_chain(&error)))?;
+        }
+        Ok(())
+    }
+
     fn spec(&self, record: &Record, name: &str) -> Result<EnvironmentSpec, PlaceError> {
         let assignment = Assignment::decode(&record.envelope, &self.rules).map_err(|error| PlaceError::Envelope(crate::error_chain(&error)))?;
         Ok(environment_spec(&assignment, self.runtime.placement, name, &self.settings, &self.key))
@@ -335,10 +419,15 @@ pub fn environment_spec(
     let expires =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()).saturating_add(settings.capability_ttl.as_secs());
     let spiffe = settings.spiffe_endpoint_socket.is_some();
+    let capability = key.issue(&assignment.id, expires);
+    // Its own socket and a capability file where the driver can mount a directory.
+    let own_dir = settings.socket_dir.as_deref().filter(|_| settings.socket_placements.contains(&placement));
+    let facade_dir = own_dir.map(|dir| driver::FacadeDir { host: crate::facade::sockets::environment_dir(dir, name), capability: capability.clone() });
     let contract = Contract {
         assignment_id: Some(assignment.id.clone()),
-        capability: Some(key.issue(&assignment.id, expires)),
-        facade_url: Some(settings.facade_url.clone()),
+        capability_file: facade_dir.as_ref().map(|_| format!("{}/{}", contract::facade::ENVIRONMENT_DIR, contract::facade::CAPABILITY_NAME)),
+        capability: facade_dir.is_none().then_some(capability),
+        facade_url: Some(if facade_dir.is_some() { contract::facade::environment_socket_url() } else { settings.facade_url.clone() }),
         facade_spiffe_id: settings.facade_spiffe_id.clone(),
         spiffe_id: spiffe.then(|| assignment.identity.spiffe_id.clone()),
         spiffe_endpoint_socket: settings.spiffe_endpoint_socket.clone(),
@@ -348,8 +437,13 @@ pub fn environment_spec(
     EnvironmentSpec {
         assignment_id: assignment.id.clone(),
         name: name.to_owned(),
-        labels: driver::labels_for(&settings.instance, &assignment.id, placement),
+        labels: {
+            let mut labels = driver::labels_for(&settings.instance, &assignment.id, placement);
+            labels.insert(driver::LABEL_PROOF.to_owned(), key.prove(name));
+            labels
+        },
         env: contract.to_vars(),
+        facade_dir,
     }
 }
 
@@ -366,4 +460,6 @@ enum PlaceError {
     Driver(#[from] driver::DriverError),
     #[error("stored envelope is invalid: {0}")]
     Envelope(String),
+    #[error("the environment's facade directory: {0}")]
+    Facade(String),
 }

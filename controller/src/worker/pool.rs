@@ -15,9 +15,17 @@ use std::{
 #[derive(Debug)]
 pub struct Pool {
     capacity: usize,
-    /// Assignment id → when its slot was taken.
-    held: Mutex<HashMap<String, Instant>>,
+    /// Assignment id → its slot.
+    held: Mutex<HashMap<String, Slot>>,
     freed: tokio::sync::Notify,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    taken: Instant,
+    /// Its environment is being created: a listing cannot show it yet (an OpenSandbox
+    /// create takes up to a minute), so it is never released for being absent.
+    creating: bool,
 }
 
 impl Pool {
@@ -29,21 +37,30 @@ impl Pool {
         self.capacity
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
         self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Takes a slot for `assignment_id`; true if it holds one now (also when it already did).
+    /// Takes a slot for `assignment_id` whose environment is about to be created (see
+    /// [`Pool::created`]); true if it holds one now (also when it already did).
     pub fn try_acquire(&self, assignment_id: &str) -> bool {
         let mut held = self.held();
-        if held.contains_key(assignment_id) {
+        if let Some(slot) = held.get_mut(assignment_id) {
+            slot.creating = true;
             return true;
         }
         if held.len() >= self.capacity {
             return false;
         }
-        held.insert(assignment_id.to_owned(), Instant::now());
+        held.insert(assignment_id.to_owned(), Slot { taken: Instant::now(), creating: true });
         true
+    }
+
+    /// The create of `assignment_id`'s environment returned: from now on listings show it.
+    pub fn created(&self, assignment_id: &str) {
+        if let Some(slot) = self.held().get_mut(assignment_id) {
+            slot.creating = false;
+        }
     }
 
     /// Waits up to `wait` for a slot for `assignment_id`.
@@ -62,7 +79,7 @@ impl Pool {
 
     /// Records a slot found in use at start, even beyond capacity (what runs, runs).
     pub fn adopt(&self, assignment_id: &str) {
-        self.held().entry(assignment_id.to_owned()).or_insert_with(Instant::now);
+        self.held().entry(assignment_id.to_owned()).or_insert_with(|| Slot { taken: Instant::now(), creating: false });
     }
 
     pub fn release(&self, assignment_id: &str) -> bool {
@@ -74,11 +91,12 @@ impl Pool {
     }
 
     /// Releases every slot taken before `listed_at` whose environment is not in a listing
-    /// made at that moment: another replica removed it, or it vanished. A slot taken after
-    /// the listing began belongs to an environment being created and is kept.
+    /// made at that moment: another replica removed it, or it vanished. A slot whose
+    /// environment is being created, or that was taken after the listing began, is kept.
     pub fn release_absent(&self, present: &HashSet<String>, listed_at: Instant) -> Vec<String> {
         let mut held = self.held();
-        let absent: Vec<String> = held.iter().filter(|(id, taken)| **taken < listed_at && !present.contains(*id)).map(|(id, _)| id.clone()).collect();
+        let absent: Vec<String> =
+            held.iter().filter(|(id, slot)| slot.taken < listed_at && !slot.creating && !present.contains(*id)).map(|(id, _)| id.clone()).collect();
         for id in &absent {
             held.remove(id);
         }
@@ -120,14 +138,21 @@ mod tests {
 
     #[test]
     fn slots_of_vanished_environments_are_released_but_not_those_being_created() {
-        let pool = Pool::new(3);
-        assert!(pool.try_acquire("listed"));
-        assert!(pool.try_acquire("vanished"));
+        let pool = Pool::new(4);
+        for id in ["listed", "vanished", "slow-create"] {
+            assert!(pool.try_acquire(id));
+        }
+        pool.created("listed");
+        pool.created("vanished");
+        // "slow-create" began before the listing and is still being created (an
+        // OpenSandbox create of a minute): not in the listing, yet not gone.
         let listed_at = Instant::now();
         assert!(pool.try_acquire("being-created"));
         let present: HashSet<String> = ["listed".to_owned()].into();
         assert_eq!(pool.release_absent(&present, listed_at), vec!["vanished".to_owned()]);
-        assert!(pool.holds("listed") && pool.holds("being-created") && !pool.holds("vanished"));
+        assert!(pool.holds("listed") && pool.holds("being-created") && pool.holds("slow-create") && !pool.holds("vanished"));
+        pool.created("slow-create");
+        assert_eq!(pool.release_absent(&present, Instant::now()), vec!["slow-create".to_owned()]);
     }
 
     #[tokio::test]

@@ -26,12 +26,6 @@ pub enum FacadeClientError {
     MissingSpiffe,
     #[error("cannot set up mTLS to the facade: {0}")]
     Tls(String),
-    #[error("cannot connect to the facade at {url}")]
-    Connect {
-        url: String,
-        #[source]
-        source: tonic::transport::Error,
-    },
     #[error("the facade refused the claim of {assignment_id}: {status}")]
     Claim { assignment_id: String, status: tonic::Status },
 }
@@ -49,8 +43,10 @@ impl std::fmt::Debug for FacadeClient {
 }
 
 impl FacadeClient {
-    /// Connects to `url`; for https, with the SVID from `spiffe_endpoint` and only to a
-    /// server whose SPIFFE ID is `facade_spiffe_id`.
+    /// A client of `url`; for https, with the SVID from `spiffe_endpoint` and only to a
+    /// server whose SPIFFE ID is `facade_spiffe_id`. It connects on first use and again
+    /// whenever the connection breaks (a controller restarting, its socket not bound
+    /// yet): a call meanwhile fails as unavailable and is retried by the caller.
     ///
     /// # Errors
     /// A bad URL, missing SPIFFE settings, or no connection.
@@ -58,6 +54,7 @@ impl FacadeClient {
         url: &str,
         facade_spiffe_id: Option<&str>,
         spiffe_endpoint: Option<&str>,
+        own_spiffe_id: Option<&str>,
         assignment_id: &str,
         capability: &str,
     ) -> Result<Self, FacadeClientError> {
@@ -66,29 +63,29 @@ impl FacadeClient {
             .connect_timeout(Duration::from_secs(10));
         let parsed = contract::facade::FacadeUrl::parse(url).map_err(FacadeClientError::Url)?;
         let channel = match parsed {
-            FacadeUrl::Unix(path) => {
-                endpoint
-                    .connect_with_connector(tower::service_fn(move |_| {
-                        let path = path.clone();
-                        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-                    }))
-                    .await
-            }
+            FacadeUrl::Unix(path) => endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+            })),
             // Development mode: capability only, to a loopback or private address.
-            FacadeUrl::InsecureHttp(address) => {
-                endpoint
-                    .connect_with_connector(tower::service_fn(move |_| async move {
-                        let tcp = tokio::net::TcpStream::connect(address).await?;
-                        tcp.set_nodelay(true)?;
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
-                    }))
-                    .await
-            }
+            FacadeUrl::InsecureHttp(address) => endpoint.connect_with_connector_lazy(tower::service_fn(move |_| async move {
+                let tcp = tokio::net::TcpStream::connect(address).await?;
+                tcp.set_nodelay(true)?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
+            })),
             FacadeUrl::Https(authority) => {
                 let (Some(facade_id), Some(workload)) = (facade_spiffe_id.filter(|s| !s.is_empty()), spiffe_endpoint) else {
                     return Err(FacadeClientError::MissingSpiffe);
                 };
-                let source = spiffe::X509Source::builder().endpoint(workload).build().await.map_err(|e| FacadeClientError::Tls(e.to_string()))?;
+                // The agent presents exactly the SVID it waited for: behind one SPIRE agent
+                // with several jobs (or a workload given more than one SVID), the Workload
+                // API's first SVID may be another job's, which the facade refuses.
+                let builder = spiffe::X509Source::builder().endpoint(workload);
+                let builder = match own_spiffe_id {
+                    Some(id) => builder.picker(ExactSvid(id.to_owned())),
+                    None => builder,
+                };
+                let source = builder.build().await.map_err(|e| FacadeClientError::Tls(e.to_string()))?;
                 let authorizer = spiffe_rustls::authorizer::exact([facade_id]).map_err(|e| FacadeClientError::Tls(e.to_string()))?;
                 let config = spiffe_rustls::mtls_client(source)
                     .authorize(authorizer)
@@ -96,40 +93,43 @@ impl FacadeClient {
                     .build()
                     .map_err(|e| FacadeClientError::Tls(e.to_string()))?;
                 let config = Arc::new(config);
-                endpoint
-                    .connect_with_connector(tower::service_fn(move |_| {
-                        let (config, authority) = (Arc::clone(&config), authority.clone());
-                        async move {
-                            let tcp = tokio::net::TcpStream::connect(&authority).await?;
-                            let host = authority.rsplit_once(':').map_or(authority.as_str(), |(host, _)| host).to_owned();
-                            // The server is verified by its SPIFFE ID, not by this name.
-                            let name = rustls::pki_types::ServerName::try_from(host).map_err(std::io::Error::other)?;
-                            let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
-                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
-                        }
-                    }))
-                    .await
+                endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
+                    let (config, authority) = (Arc::clone(&config), authority.clone());
+                    async move {
+                        let tcp = tokio::net::TcpStream::connect(&authority).await?;
+                        let host = authority.rsplit_once(':').map_or(authority.as_str(), |(host, _)| host).to_owned();
+                        // The server is verified by its SPIFFE ID, not by this name.
+                        let name = rustls::pki_types::ServerName::try_from(host).map_err(std::io::Error::other)?;
+                        let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+                    }
+                }))
             }
-        }
-        .map_err(|source| FacadeClientError::Connect { url: url.to_owned(), source })?;
+        };
         Ok(FacadeClient {
             inner: FacadeServiceClient::new(channel),
             credential: AssignmentCredential { assignment_id: assignment_id.to_owned(), capability: capability.to_owned() },
         })
     }
 
-    /// Claims the task, retrying while the facade is unavailable (until `deadline`).
+    /// Claims the task, retrying while the facade is unavailable (until `deadline`); from
+    /// then on this client carries the session capability the claim answered (the
+    /// environment's own capability only claims).
     ///
     /// # Errors
     /// A refusal (wrong identity or capability, another holder) or the deadline.
-    pub async fn claim(&self, holder: &str, deadline: Duration) -> Result<Task, FacadeClientError> {
+    pub async fn claim(&mut self, holder: &str, deadline: Duration) -> Result<Task, FacadeClientError> {
         let give_up = tokio::time::Instant::now() + deadline;
         let mut delay = Duration::from_millis(200);
         loop {
             let request = ClaimRequest { credential: Some(self.credential.clone()), holder: holder.to_owned() };
             match self.inner.clone().claim(request).await {
                 Ok(response) => {
-                    if let Some(task) = response.into_inner().task {
+                    let response = response.into_inner();
+                    if !response.session.is_empty() {
+                        self.credential.capability = response.session;
+                    }
+                    if let Some(task) = response.task {
                         return Ok(task);
                     }
                     return Err(FacadeClientError::Claim {
@@ -138,7 +138,7 @@ impl FacadeClient {
                     });
                 }
                 // Unavailable, or a connection that failed (e.g. a TLS handshake during an
-                // SVID rotation): try again.
+                // SVID rotation, or a controller restarting): try again.
                 Err(status)
                     if (status.code() == tonic::Code::Unavailable || (status.code() == tonic::Code::Unknown && status.message() == "transport error"))
                         && tokio::time::Instant::now() + delay < give_up =>
@@ -164,6 +164,16 @@ impl FacadeClient {
         if let Err(status) = self.inner.clone().report_phase(request).await {
             tracing::warn!(phase = phase.as_str_name(), %status, "cannot report the phase to the facade");
         }
+    }
+}
+
+/// Picks the SVID with exactly this SPIFFE ID.
+#[derive(Debug)]
+struct ExactSvid(String);
+
+impl spiffe::x509_source::SvidPicker for ExactSvid {
+    fn pick_svid(&self, svids: &[Arc<spiffe::X509Svid>]) -> Option<usize> {
+        svids.iter().position(|svid| svid.spiffe_id().to_string() == self.0)
     }
 }
 

@@ -46,7 +46,7 @@ impl<F: FnMut(&str) + Send> Progress for F {
 pub async fn wait_for_svid(endpoint: &str, expected: &str, timeout: Duration, progress: &mut dyn Progress) -> Result<Vec<String>, IdentityError> {
     let started = Instant::now();
     let deadline = started + timeout;
-    let mut backoff = Backoff::new();
+    let mut backoff = backoff();
     let mut last = String::from("nothing yet");
     let mut last_logged: Option<Instant> = None;
     loop {
@@ -77,7 +77,7 @@ pub async fn wait_for_svid(endpoint: &str, expected: &str, timeout: Duration, pr
                 endpoint: endpoint.to_owned(),
             });
         }
-        tokio::time::sleep(backoff.next().min(deadline - now)).await;
+        tokio::time::sleep(backoff.next_delay().min(deadline - now)).await;
     }
 }
 
@@ -131,23 +131,9 @@ fn classify(error: &WorkloadApiError, during: &str) -> Attempt {
     }
 }
 
-/// 250 ms doubling to 5 s, with ±20% jitter so many environments do not retry in step.
-struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    fn new() -> Self {
-        Backoff { next: Duration::from_millis(250) }
-    }
-
-    fn next(&mut self) -> Duration {
-        let base = self.next;
-        self.next = (self.next * 2).min(Duration::from_secs(5));
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        let jitter = f64::from(nanos % 400) / 1000.0 - 0.2;
-        base.mul_f64(1.0 + jitter)
-    }
+/// 250 ms doubling to 5 s (jittered).
+fn backoff() -> contract::backoff::Backoff {
+    contract::backoff::Backoff::new(Duration::from_millis(250), Duration::from_secs(5))
 }
 
 /// `unix:///abs/path`, `unix:/abs/path` or `tcp://ip:port` (SPIFFE Workload Endpoint).
@@ -166,19 +152,4 @@ pub fn parse_workload_endpoint(value: &str) -> Result<String, String> {
         return Err(format!("{value:?}: tcp endpoints need an IP address and port, e.g. tcp://127.0.0.1:8081"));
     }
     Err(format!("{value:?} is not a Workload API endpoint: use unix:///path or tcp://ip:port"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_to_five_seconds_with_jitter() {
-        let mut backoff = Backoff::new();
-        let delays: Vec<Duration> = (0..8).map(|_| backoff.next()).collect();
-        assert!(delays[0] >= Duration::from_millis(200) && delays[0] <= Duration::from_millis(300), "{delays:?}");
-        for delay in &delays[5..] {
-            assert!(*delay >= Duration::from_secs(4) && *delay <= Duration::from_secs(6), "{delays:?}");
-        }
-    }
 }

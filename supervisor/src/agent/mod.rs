@@ -81,8 +81,8 @@ fn default_hooks() -> crate::cli::RunnerHooks {
     crate::cli::RunnerHooks::Auto
 }
 
-/// The capability comes from the environment the driver set, and is not passed on to
-/// the job (a job step must not be able to report for its own task).
+/// The capability comes from the environment the driver set (or from the file PID 1
+/// read and removed), and is not passed on to the job.
 pub const CAPABILITY_ENV: &str = contract::environment::CAPABILITY;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -94,6 +94,13 @@ pub struct IdentitySettings {
 
 /// `supervisor agent`: reads its configuration and runs.
 pub fn main() -> u8 {
+    // Steps run as this same uid: non-dumpable, its memory and /proc/<pid>/environ (the
+    // capability, the session, the loopback's token) belong to root, and no step may
+    // ptrace it.
+    if let Err(error) = nix::sys::prctl::set_dumpable(false) {
+        tracing::error!(%error, "agent: cannot make itself non-dumpable; refusing to hold the capability where the job's steps could read it");
+        return exit::INTERNAL;
+    }
     let config =
         match std::env::var(CONFIG_ENV).map_err(|e| e.to_string()).and_then(|json| serde_json::from_str::<AgentConfig>(&json).map_err(|e| e.to_string())) {
             Ok(config) => config,
@@ -233,8 +240,11 @@ async fn serve_the_runner(
         return exit::USAGE;
     };
     let endpoint = config.identity.as_ref().map(|i| i.endpoint.clone());
-    let client =
-        match facade_client::FacadeClient::connect(&facade.url, facade.spiffe_id.as_deref(), endpoint.as_deref(), &facade.assignment_id, &capability).await {
+    let own_id = config.identity.as_ref().map(|i| i.spiffe_id.as_str());
+    let mut client =
+        match facade_client::FacadeClient::connect(&facade.url, facade.spiffe_id.as_deref(), endpoint.as_deref(), own_id, &facade.assignment_id, &capability)
+            .await
+        {
             Ok(client) => client,
             Err(error) => {
                 tracing::error!("agent: {}", crate::error_chain(&error));

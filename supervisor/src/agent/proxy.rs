@@ -15,6 +15,10 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode, Uri, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
+/// How long Gitea may take to answer a request's headers (a body then streams for as
+/// long as it takes: a large artifact download is not cut off).
+pub const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Headers that belong to one connection, not to the request (RFC 9110 §7.6.1); the
 /// framing (`transfer-encoding`) is hyper's to choose on each side.
 const HOP_BY_HOP: [&str; 9] =
@@ -67,7 +71,14 @@ pub fn fallback(gitea: Option<&str>) -> Result<Fallback, ProxyError> {
             strip_hop_by_hop(&mut parts.headers);
             parts.headers.insert(header::HOST, host);
             let method = parts.method.clone();
-            match client.request(http::Request::from_parts(parts, body)).await {
+            let answered = tokio::time::timeout(ANSWER_TIMEOUT, client.request(http::Request::from_parts(parts, body))).await;
+            let Ok(answered) = answered else {
+                tracing::warn!(%method, target = %target, "Gitea did not answer within {}s", ANSWER_TIMEOUT.as_secs());
+                let mut response = bad_gateway(&format!("{method} {target}: Gitea at {gitea} did not answer within {}s", ANSWER_TIMEOUT.as_secs()));
+                *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+                return response;
+            };
+            match answered {
                 Ok(response) => {
                     let (mut parts, body) = response.into_parts();
                     strip_hop_by_hop(&mut parts.headers);

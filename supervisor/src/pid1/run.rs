@@ -165,6 +165,16 @@ impl Supervisor {
         let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
         let mut command = Command::new(exe);
         command.arg("agent").env(agent::CONFIG_ENV, json).env("HOME", &args.runner_home).env("USER", "runner").stdin(Stdio::inherit());
+        // A capability handed over as a file (the docker driver) is read and removed
+        // before anything of the job runs; only the agent gets it.
+        command.env_remove(contract::environment::CAPABILITY_FILE);
+        if let Some(file) = contract::environment::Contract::from_process_env().capability_file {
+            let capability = fs::read_to_string(&file).and_then(|capability| fs::remove_file(&file).map(|()| capability)).map_err(|error| {
+                tracing::error!(%file, %error, "cannot read and remove the capability file ({})", contract::environment::CAPABILITY_FILE);
+                exit::USAGE
+            })?;
+            command.env(agent::CAPABILITY_ENV, capability.trim());
+        }
         spawn::prepare(&mut command, Some(spawn::Credentials { uid: args.runner_uid, gid: args.runner_gid, groups: [args.docker_gid] }));
         let (read, write) = if args.environment.docker {
             let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|error| {
@@ -248,6 +258,10 @@ impl Supervisor {
         };
         let mut command = Command::new(&config.dockerd);
         command.args(dockerd::args(&config)).stdin(Stdio::null());
+        // dockerd needs none of the environment contract (its capability least of all).
+        for name in contract::environment::ALL {
+            command.env_remove(name);
+        }
         match log.try_clone() {
             Ok(err) => command.stdout(log).stderr(err),
             Err(_) => command.stdout(Stdio::null()).stderr(Stdio::null()),

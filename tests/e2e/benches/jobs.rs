@@ -136,7 +136,7 @@ enum Watch {
 async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str, runs: usize, watch: Watch) -> BTreeMap<&'static str, Vec<i64>> {
     let mut controller = Controller::start(options).await;
     let repo = gitea.create_repo(repo_name).await;
-    let label = format!("gitea-dynamic-runner/instance={}", controller::driver::instance_of(&gitea.url()));
+    let label = controller.environment_label();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let pods = matches!(watch, Watch::Pods(_));
     let watcher = match watch {

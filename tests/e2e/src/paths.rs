@@ -42,3 +42,18 @@ pub fn image(variant: &str) -> (String, PathBuf) {
     let tar = PathBuf::from(words.next().unwrap());
     (tag, tar)
 }
+
+/// The `controller` binary of this build (`cargo test` builds the workspace's binaries
+/// beside the test executables): `$CONTROLLER_BIN`, else `<target>/<profile>/controller`.
+pub fn controller() -> PathBuf {
+    let path = std::env::var_os("CONTROLLER_BIN").map_or_else(
+        || {
+            let test = std::env::current_exe().unwrap();
+            // <target>/<profile>/deps/<test>-<hash>
+            test.parent().and_then(Path::parent).unwrap().join("controller")
+        },
+        PathBuf::from,
+    );
+    assert!(path.exists(), "{} is missing: build it with cargo build -p controller (cargo test --workspace --bins does)", path.display());
+    path
+}

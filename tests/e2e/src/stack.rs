@@ -27,9 +27,14 @@ pub struct Options {
     pub components: String,
     /// Share this state directory (credentials, key) with another controller.
     pub state_dir: Option<PathBuf>,
-    /// The facade's unix socket; default in the state dir.
-    pub facade_socket: Option<PathBuf>,
+    /// Where the facade makes each docker environment's socket; default in the state dir.
+    pub socket_dir: Option<PathBuf>,
     pub extra_gitea: String,
+    /// More `[docker]` settings (TOML lines).
+    pub docker_extra: String,
+    /// Docker and Kubernetes environments get a job-local dockerd (the tests' default:
+    /// their jobs run `docker`); false is the unprivileged default of the product.
+    pub job_dockerd: bool,
     /// Run jobs as OpenSandbox sandboxes (vm.opensandbox) instead of docker containers.
     pub opensandbox: Option<SandboxOptions>,
     /// Run jobs as Pods (container.kubernetes) instead of docker containers.
@@ -149,8 +154,10 @@ impl Options {
             store: None,
             components: "scheduler,facade,worker".into(),
             state_dir: None,
-            facade_socket: None,
+            socket_dir: None,
             extra_gitea: String::new(),
+            docker_extra: String::new(),
+            job_dockerd: true,
             opensandbox: None,
             kubernetes: None,
         }
@@ -192,7 +199,7 @@ impl Controller {
             let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&key).unwrap();
             std::io::Write::write_all(&mut file, b"e2e-capability-key-0123456789abcdef0123456789").unwrap();
         }
-        let socket = options.facade_socket.clone().unwrap_or_else(|| dir.join("facade.sock"));
+        let socket_dir = options.socket_dir.clone().unwrap_or_else(|| dir.join("environments"));
         let store = options.store.clone().unwrap_or_else(|| format!("kind = \"embedded\"\npath = \"{}/store.redb\"", dir.display()));
         let environment_url = options.environment_gitea_url.as_ref().map(|u| format!("environment_url = \"{u}\"\n")).unwrap_or_default();
         let (placement, driver, facade) = match (&options.opensandbox, &options.kubernetes) {
@@ -205,9 +212,11 @@ namespace = "{namespace}"
 image = "{image}"
 image_pull_policy = "Never"
 termination_grace = "30s"
+job_dockerd = {job_dockerd}
 {extra}
 {spire}"#,
                     kubeconfig = pods.kubeconfig.display(),
+                    job_dockerd = options.job_dockerd,
                     namespace = pods.namespace,
                     image = options.image,
                     extra = pods.extra,
@@ -235,19 +244,20 @@ termination_grace = "30s"
                     r#"[docker]
 image = "{image}"
 socket = "{docker}"
-privileged = false
-cap_add = ["ALL"]
-cap_drop = ["SYS_RESOURCE"]
-security_opt = ["seccomp=unconfined", "apparmor=unconfined"]
-device_cgroup_rules = ["b 7:* rmw", "c 10:237 rmw"]
-facade_socket = "{socket}"
-stop_seconds = 5
+{privileges}
+{extra}
 "#,
                     image = options.image,
                     docker = options.docker_socket.display(),
-                    socket = socket.display(),
+                    extra = options.docker_extra,
+                    // Docker's --privileged is refused on these hosts: the explicit list.
+                    privileges = if options.job_dockerd {
+                        "job_dockerd = true\ncap_add = [\"ALL\"]\ncap_drop = [\"SYS_RESOURCE\"]\nsecurity_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"]\ndevice_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"]"
+                    } else {
+                        ""
+                    },
                 ),
-                format!("unix_socket = \"{socket}\"\nurl = \"unix://{socket}\"", socket = socket.display()),
+                format!("environment_socket_dir = \"{}\"", socket_dir.display()),
             ),
             (Some(sandbox), _) => (
                 "vm.opensandbox",
@@ -323,12 +333,13 @@ capacity = {capacity}
     /// The label selecting this controller's environments (containers and sandboxes alike:
     /// OpenSandbox copies metadata to container labels).
     pub fn environment_label(&self) -> String {
-        format!("{}={}", controller::driver::LABEL_INSTANCE, controller::driver::instance_of(&self.config.gitea.url))
+        format!("{}={}", controller::driver::LABEL_INSTANCE, self.config.installation())
     }
 
-    /// Every assignment record.
+    /// Every assignment record, live and finished.
     pub async fn records(&self) -> Vec<Record> {
-        self.store.list().await.unwrap().into_iter().map(|r| r.value).collect()
+        let live = self.store.list().await.unwrap().into_iter();
+        live.chain(self.store.list_finished().await.unwrap()).map(|r| r.value).collect()
     }
 
     /// Waits until every assignment is terminal. Gitea shows a task finished as soon as

@@ -4,7 +4,9 @@
 //! SPIFFE is on, claim its task from the controller's real facade, and run the job
 //! command. (Docker off and scratch directories are settings of the image, not of the
 //! contract.) This is the boundary that once let every environment exit before
-//! claiming while both sides' unit tests were green.
+//! claiming while both sides' unit tests were green. With its own facade socket, the
+//! environment's directory is bind-mounted where the driver mounts it (a private mount
+//! namespace), and the capability file must be gone once the supervisor runs.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,7 +15,7 @@ use std::{os::unix::fs::PermissionsExt, path::Path, sync::Arc, time::Duration};
 use controller::{
     assignment::{Assignment, Placement, Rules, capability::CapabilityKey, placement::LabelPolicy},
     driver::environment_name,
-    facade::{self, Facade},
+    facade::{self, EnvironmentSockets, Facade, sockets::prepare_environment_dir},
     gitea::registrations::Registrations,
     lifecycle::Lifecycle,
     placements::Placements,
@@ -47,7 +49,8 @@ fn open_dir(path: &Path) {
 
 #[derive(Debug, Clone, Copy)]
 enum Mode {
-    /// The docker driver's default: capability only, the facade's unix socket mounted in.
+    /// The docker driver's default: capability only, the environment's own facade
+    /// directory mounted in.
     UnixCapabilityOnly,
     /// SPIFFE on: wait for the exact SVID, then claim over the unix socket.
     UnixWithIdentity,
@@ -66,11 +69,9 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
     let lifecycle = Lifecycle::new(Arc::clone(&store), Placements::new(), registrations.clone());
     let facade = Arc::new(Facade::new(Arc::clone(&store), registrations, lifecycle, Arc::clone(&key), rules()));
     let shutdown = CancellationToken::new();
-    let socket = dir.path().join("facade.sock");
-    {
-        let (facade, socket, shutdown) = (Arc::clone(&facade), socket.clone(), shutdown.clone());
-        tokio::spawn(async move { facade::serve_unix(facade, &socket, shutdown).await });
-    }
+    let socket_dir = dir.path().join("environments");
+    let sockets = EnvironmentSockets::new(&socket_dir, "contract", &Placement::ALL).unwrap();
+    tokio::spawn(Arc::clone(&sockets).serve(Arc::clone(&facade), Arc::clone(&store), shutdown.clone()));
     // SPIFFE: one CA; the facade's and the jobs' SVIDs from fake Workload APIs.
     let ca = Arc::new(Ca::new());
     let server_api = FakeWorkloadApi::start_with(dir.path(), "facade-api.sock", Arc::clone(&ca)).await;
@@ -81,7 +82,6 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mtls_address = listener.local_addr().unwrap();
     tokio::spawn(facade::serve_mtls(Arc::clone(&facade), listener, tls, shutdown.clone()));
-    testkit::wait_until("the facade socket exists", Duration::from_secs(5), || socket.exists()).await;
 
     let mut id = 100;
     for placement in Placement::ALL {
@@ -91,15 +91,17 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
             store.persist(&Record::pending(&assignment.id, placement, "", assignment.encode(), now_ms())).await.unwrap();
             let settings = match mode {
                 Mode::UnixCapabilityOnly => EnvironmentSettings {
-                    facade_url: format!("unix://{}", socket.display()),
                     gitea_url: Some("http://127.0.0.1:9".into()),
                     capability_ttl: Duration::from_secs(600),
+                    socket_dir: Some(socket_dir.clone()),
+                    socket_placements: Placement::ALL.to_vec(),
                     ..EnvironmentSettings::default()
                 },
                 Mode::UnixWithIdentity => EnvironmentSettings {
-                    facade_url: format!("unix://{}", socket.display()),
                     spiffe_endpoint_socket: Some(job_api.endpoint()),
                     capability_ttl: Duration::from_secs(600),
+                    socket_dir: Some(socket_dir.clone()),
+                    socket_placements: Placement::ALL.to_vec(),
                     ..EnvironmentSettings::default()
                 },
                 Mode::MtlsWithIdentity => EnvironmentSettings {
@@ -113,13 +115,33 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
             job_api.set(Offer::Ids(vec![assignment.identity.spiffe_id.clone()]));
             let spec = environment_spec(&assignment, placement, &environment_name("contract", &assignment.id), &settings, &key);
             assert!(spec.env.values().all(|v| !v.is_empty()), "{placement} {mode:?}: an empty variable was set");
+            // What the worker does before it creates the environment.
+            if let Some(own) = &spec.facade_dir {
+                assert!(!spec.env.contains_key("CI_RUNNER_CAPABILITY"), "{placement} {mode:?}: the capability is in the environment's configuration");
+                prepare_environment_dir(&socket_dir, own.host.file_name().unwrap().to_str().unwrap(), &own.capability).unwrap();
+                sockets.open(&assignment.id).unwrap();
+            }
 
             let scratch = dir.path().join(format!("env-{id}"));
             for sub in ["state", "runner"] {
                 std::fs::create_dir_all(scratch.join(sub)).unwrap();
                 open_dir(&scratch.join(sub));
             }
-            let mut command = tokio::process::Command::new(&supervisor);
+            // The environment's own directory where the driver mounts it: in a private mount
+            // namespace (the supervisor runs as root here, as in a container).
+            let mut command = match &spec.facade_dir {
+                Some(own) => {
+                    let mut command = tokio::process::Command::new("unshare");
+                    let mount = format!(
+                        "mount --make-rprivate / && mkdir -p {inside} && mount --bind {host} {inside} && exec \"$0\" \"$@\"",
+                        inside = contract::facade::ENVIRONMENT_DIR,
+                        host = own.host.display()
+                    );
+                    command.args(["--mount", "--", "sh", "-c", &mount]).arg(&supervisor);
+                    command
+                }
+                None => tokio::process::Command::new(&supervisor),
+            };
             command
                 .env_clear()
                 .envs(&spec.env)
@@ -138,6 +160,10 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
             assert!(stdout.contains("runner-started"), "{placement} {mode:?}: {stdout}\n{stderr}");
             let record = store.get(&assignment.id).await.unwrap().unwrap().value;
             assert!(matches!(record.state, State::Claimed { .. }), "{placement} {mode:?}: not claimed: {record:?}\n{stderr}");
+            if let Some(own) = &spec.facade_dir {
+                let file = own.host.join(contract::facade::CAPABILITY_NAME);
+                assert!(!file.exists(), "{placement} {mode:?}: PID 1 left the capability file {}", file.display());
+            }
         }
     }
     shutdown.cancel();

@@ -388,7 +388,7 @@ async fn the_manifests_apply_and_the_driver_works_with_least_privilege() {
     .unwrap();
     let config = |namespace: &str| -> KubernetesConfig {
         toml::from_str(&format!(
-            "namespace = \"{namespace}\"\nkubeconfig = \"{}\"\nimage = \"docker.io/library/busybox:local\"\nimage_pull_policy = \"Never\"\ncommand = [\"sh\", \"-c\", \"echo from the job; exit 3\"]\nprivileged = false\n",
+            "namespace = \"{namespace}\"\nkubeconfig = \"{}\"\nimage = \"docker.io/library/busybox:local\"\nimage_pull_policy = \"Never\"\ncommand = [\"sh\", \"-c\", \"echo from the job; exit 3\"]\njob_dockerd = true\nprivileged = false\n",
             kubeconfig.display()
         ))
         .unwrap()
@@ -404,6 +404,7 @@ async fn the_manifests_apply_and_the_driver_works_with_least_privilege() {
         name: "gdr-rbac-gitea-task-7".into(),
         labels: labels_for("rbac", "gitea-task-7", placement),
         env: [("CI_ASSIGNMENT_ID".to_owned(), "gitea-task-7".to_owned())].into(),
+        ..EnvironmentSpec::default()
     };
     let created = driver.create(&spec).await.unwrap();
     assert_eq!((created.name.as_str(), created.assignment_id.as_str(), created.phase), ("gdr-rbac-gitea-task-7", "gitea-task-7", Phase::Running));

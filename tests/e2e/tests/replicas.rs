@@ -58,7 +58,7 @@ async fn a_task_fetched_by_one_replica_is_reported_through_another() {
     let records = facade.records().await;
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].runner, uuid, "the record names the runner that fetched the task");
-    let label = format!("gitea-dynamic-runner/instance={}", controller::driver::instance_of(&gitea.url()));
+    let label = facade.environment_label();
     wait_until("the environment is removed", Duration::from_secs(60), || host().containers(&label).is_empty()).await;
     fetcher.assert_running();
     facade.assert_running();

@@ -3,6 +3,7 @@
 //! - [`workload`]: a fake SPIFFE Workload API server, scripted by the test.
 //! - [`wait_until`]: waiting on a condition instead of a fixed sleep.
 //! - [`fake_gitea`]: a fake Gitea runner API that follows the protocol reference.
+//! - [`fault_proxy`]: a proxy in front of the real Gitea that answers 401/503 on demand.
 //! - [`nats`]: a real nats-server with JetStream.
 //! - [`gitea`]: a REAL Gitea 1.23.8 server (built from pinned upstream sources by scripts/install-test-peers).
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
@@ -11,6 +12,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
 pub mod fake_gitea;
+pub mod fault_proxy;
 pub mod gitea;
 pub mod nats;
 pub mod opensandbox;
