@@ -362,6 +362,11 @@ impl Driver for DockerDriver {
             Ok(()) => {}
             // 304: already started by the earlier attempt.
             Err(bollard::errors::Error::DockerResponseServerError { status_code: 304, .. }) => {}
+            // The container of an earlier attempt, deleted a moment ago, still goes away:
+            // the worker tries again shortly.
+            Err(bollard::errors::Error::DockerResponseServerError { message, .. }) if message.contains("marked for removal") => {
+                return Err(self.unavailable(format!("starting {}: an earlier container of that name is still being removed ({message})", spec.name)));
+            }
             Err(bollard::errors::Error::DockerResponseServerError { status_code, message })
                 if status_code < 500 || message.contains("permission") || message.contains("operation not permitted") =>
             {

@@ -32,6 +32,10 @@ pub struct Options {
     pub extra_gitea: String,
     /// More `[docker]` settings (TOML lines).
     pub docker_extra: String,
+    /// The capability key written into a new state directory (two installations have two).
+    pub capability_key: String,
+    /// `[http] listen` (default a free port of 127.0.0.1).
+    pub http_listen: String,
     /// Docker and Kubernetes environments get a job-local dockerd (the tests' default:
     /// their jobs run `docker`); false is the unprivileged default of the product.
     pub job_dockerd: bool,
@@ -158,6 +162,8 @@ impl Options {
             extra_gitea: String::new(),
             docker_extra: String::new(),
             job_dockerd: true,
+            http_listen: "127.0.0.1:0".into(),
+            capability_key: "e2e-capability-key-0123456789abcdef0123456789".into(),
             opensandbox: None,
             kubernetes: None,
         }
@@ -197,7 +203,7 @@ impl Controller {
         if !key.exists() {
             use std::os::unix::fs::OpenOptionsExt;
             let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&key).unwrap();
-            std::io::Write::write_all(&mut file, b"e2e-capability-key-0123456789abcdef0123456789").unwrap();
+            std::io::Write::write_all(&mut file, options.capability_key.as_bytes()).unwrap();
         }
         let socket_dir = options.socket_dir.clone().unwrap_or_else(|| dir.join("environments"));
         let store = options.store.clone().unwrap_or_else(|| format!("kind = \"embedded\"\npath = \"{}/store.redb\"", dir.display()));
@@ -308,7 +314,7 @@ capability_key_file = "{dir}/capability.key"
 {facade}
 
 [http]
-listen = "127.0.0.1:0"
+listen = "{http_listen}"
 
 [[pool]]
 placement = "{placement}"
@@ -319,6 +325,7 @@ capacity = {capacity}
             dir = dir.display(),
             extra = options.extra_gitea,
             capacity = options.capacity,
+            http_listen = options.http_listen,
         );
         std::fs::write(dir.join("controller.toml"), &text).unwrap();
         let config = Config::parse(&text, &dir.join("controller.toml"), &Default::default()).unwrap();

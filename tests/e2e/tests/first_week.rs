@@ -162,7 +162,8 @@ async fn an_environment_removed_before_its_claim_is_made_again() {
     .await;
     wait_until("a new environment runs", Duration::from_secs(60), || host().containers(&label).len() == 1).await;
     controller.stop().await;
-    drop(controller);
+    // The redb file must be closed before the next controller opens it.
+    drop((controller, store));
 
     let controller = Controller::start(options).await;
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| done(t, 1)).await;
@@ -197,14 +198,16 @@ async fn two_installations_on_one_docker_host_leave_each_other_alone() {
     let gitea = gitea_on_the_bridge().await;
     let token = gitea.runner_registration_token().await;
     for (round, named) in [(1, None), (2, Some("shared"))] {
-        let start = || {
+        // Two installations hold two capability keys.
+        let start = |key: &str| {
             let mut options = options(&gitea, &token, 1);
+            options.capability_key = format!("{key}-capability-key-0123456789abcdef0123456789");
             if let Some(installation) = named {
                 options.extra_gitea = format!("installation = \"{installation}\"");
             }
             Controller::start(options)
         };
-        let (mut a, mut b) = (start().await, start().await);
+        let (mut a, mut b) = (start("a").await, start("b").await);
         if named.is_none() {
             assert_ne!(a.config.installation(), b.config.installation(), "two stores are two installations");
         }
