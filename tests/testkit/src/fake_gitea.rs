@@ -36,6 +36,10 @@ pub struct Job {
     pub job_key: String,
     pub repository: String,
     pub steps: String,
+    /// Secrets beside `GITEA_TOKEN` (a task with many or large ones).
+    pub secrets: Vec<(String, String)>,
+    /// The event payload of the context (a large push or pull request).
+    pub event: Option<String>,
 }
 
 impl Job {
@@ -45,6 +49,8 @@ impl Job {
             job_key: "build".into(),
             repository: "owner/repo".into(),
             steps: "      - run: echo hello\n".into(),
+            secrets: Vec::new(),
+            event: None,
         }
     }
 
@@ -85,6 +91,9 @@ pub struct State {
     pub next_task_id: i64,
     /// FetchTask answers `unavailable` this many more times (outage simulation).
     pub fail_fetches: usize,
+    /// FetchTasks answered as a proxy's bare 401 would be (unauthenticated, without
+    /// Gitea's "unregistered runner"), before any check of the runner.
+    pub unauthorized_fetches: usize,
 }
 
 #[derive(Clone)]
@@ -167,6 +176,7 @@ fn context(job: &Job) -> Struct {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
+        .chain(job.event.as_ref().map(|event| ("event".to_owned(), string(event))))
         .collect(),
     }
 }
@@ -221,6 +231,10 @@ fn router(state: Arc<Mutex<State>>) -> Router {
             let state = Arc::clone(&s3);
             async move {
                 let mut state = state.lock().unwrap();
+                if state.unauthorized_fetches > 0 {
+                    state.unauthorized_fetches -= 1;
+                    return Err(ConnectError::new(connect::Code::Unauthenticated, "HTTP status 401 Unauthorized"));
+                }
                 let uuid = authenticate(&state, &request)?;
                 state.fetches += 1;
                 if state.fail_fetches > 0 {
@@ -246,7 +260,7 @@ fn router(state: Arc<Mutex<State>>) -> Router {
                     id,
                     workflow_payload: Some(job.workflow().into_bytes()),
                     context: Some(context(&job)),
-                    secrets: [("GITEA_TOKEN".to_owned(), "task-token".to_owned())].into_iter().collect(),
+                    secrets: std::iter::once(("GITEA_TOKEN".to_owned(), "task-token".to_owned())).chain(job.secrets.iter().cloned()).collect(),
                     ..Default::default()
                 };
                 state.tasks.insert(id, TaskRecord { job: Some(job), runner_uuid: uuid, ..Default::default() });
