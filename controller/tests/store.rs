@@ -596,3 +596,25 @@ async fn the_redb_file_is_private_and_earlier_records_read_back() {
     let stored = String::from_utf8(table.get(id(73).as_str()).unwrap().unwrap().value().1.to_vec()).unwrap();
     assert!(stored.contains(r#""envelope":"{\"version\":2,\"task\":\"CAE=\"}""#), "{stored}");
 }
+
+/// A NATS server that requires a token: the store reaches it with `store.token_file`
+/// (never a URL with credentials, which would end up in logs); without the token it is
+/// refused, and the error names the server without any secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_with_a_token_is_reached_with_the_token_file() {
+    use controller::store::jetstream::{Settings, redact_url};
+    let server = nats::NatsServer::start_with_config(Some("authorization { token: \"s3cret-nats-token\" }"));
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("nats-token");
+    std::fs::write(&token_file, "s3cret-nats-token\n").unwrap();
+    let settings = Settings { token_file: Some(token_file), ..Settings::new(&server.url, "ci.assignments", "assignments", Duration::from_secs(30)) };
+    let store = JetStream::connect_with(&settings).await.unwrap();
+    store.persist(&record(80, DOCKER)).await.unwrap();
+    assert!(store.get(&id(80)).await.unwrap().is_some());
+    let refused = tokio::time::timeout(Duration::from_secs(20), JetStream::connect_with(&Settings { token_file: None, ..settings.clone() })).await;
+    if let Ok(Ok(_)) = refused {
+        panic!("a server that requires a token took a client without one");
+    }
+    assert_eq!(redact_url("nats://user:pw@a:4222, nats://b:4222"), "nats://***@a:4222, nats://b:4222");
+    assert!(!format!("{settings:?}").contains("s3cret"));
+}

@@ -1,6 +1,7 @@
 //! The container.kubernetes placement end to end: the real Gitea 1.23.8, the controller
 //! with the Kubernetes driver, a real single-node Kubernetes v1.34 cluster (kubelet,
-//! containerd, runc) creating one privileged Pod per job from the runner image, the
+//! containerd, runc) creating one Pod per job from the runner image — privileged with its
+//! own dockerd where the tests' jobs need Docker (`job_dockerd`), unprivileged by default —, the
 //! static supervisor as the Pod's PID 1 preparing loop-backed storage and a job-local
 //! dockerd inside the Pod, and the real gitea-runner v3.3.0 running the job. Pods reach
 //! the facade over its development-mode TCP listener on the host address of their
@@ -93,6 +94,57 @@ jobs:
       - name: no service-account token
         run: test ! -e /var/run/secrets/kubernetes.io/serviceaccount/token && echo "no token mounted"
 "#;
+
+const UNPRIVILEGED: &str = r#"name: unprivileged
+on: push
+jobs:
+  build:
+    runs-on: [disposable, container, kubernetes]
+    steps:
+      - run: echo "uid=$(id -u) nnp=$(grep NoNewPrivs /proc/self/status | tr -d '[:space:]')"
+      - run: docker info >/dev/null 2>&1 && echo "docker answers" || echo "no docker here"
+      - run: grep CapBnd /proc/1/status
+"#;
+
+/// By default (`job_dockerd = false`) a job runs in an unprivileged Pod: every capability
+/// dropped but the supervisor's six, no privilege escalation, the runtime's seccomp
+/// profile, no Docker — and the job still runs to success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_runs_in_an_unprivileged_pod_by_default() {
+    let Setup { gitea, repo, namespace, mut options, _turn } = setup("unprivileged", 1).await;
+    options.job_dockerd = false;
+    let controller = Controller::start(options).await;
+    gitea.commit_workflow(&repo, "unprivileged.yml", UNPRIVILEGED).await;
+    let label = controller.environment_label();
+    let spec = {
+        let namespace = namespace.clone();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let pods = tokio::task::block_in_place(|| cluster().pods(&namespace, &label));
+            if let Some(pod) = pods.first() {
+                let output = tokio::task::block_in_place(|| cluster().kubectl(&["-n", &namespace, "get", "pod", pod, "-o", "json"]));
+                if output.status.success() {
+                    break serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap();
+                }
+            }
+            assert!(Instant::now() < deadline, "no Pod was made");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let context = &spec["spec"]["containers"][0]["securityContext"];
+    assert_eq!(context["privileged"], false, "{context}");
+    assert_eq!(context["allowPrivilegeEscalation"], false, "{context}");
+    assert_eq!(context["capabilities"]["drop"], serde_json::json!(["ALL"]), "{context}");
+    assert_eq!(context["seccompProfile"]["type"], "RuntimeDefault", "{context}");
+    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| all_done(t, 1)).await;
+    let log = strip_log_timestamps(&gitea.job_log(&repo, tasks[0].run_number, 0).await);
+    assert_eq!(tasks[0].status, "success", "{log}");
+    assert!(log.contains("uid=2000 nnp=NoNewPrivs:1"), "{log}");
+    assert!(log.contains("no docker here"), "{log}");
+    // The bounding set of the supervisor: CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID.
+    assert!(log.contains("00000000000000eb"), "{log}");
+    finish(&namespace, controller).await;
+}
 
 /// What a watcher of the namespace saw of one Pod.
 #[derive(Debug, Default, Clone)]

@@ -138,14 +138,15 @@ jobs:
     runs-on: [disposable, vm]
     steps:
       - run: echo "claimed over mTLS"
-      - run: sleep 3
+      - run: sleep 8
 "#;
 
 /// SPIFFE instead of the development mode: the real SPIRE server and an agent whose socket
 /// every sandbox mounts, the facade's mTLS listener with the controller's SVID, and one
-/// SPIRE entry per sandbox made by the controller. The supervisor inside gets exactly its
-/// job's SVID (the facade accepts a claim only from the assignment's identity), and the
-/// entry is gone with the sandbox.
+/// SPIRE entry per sandbox made by the controller. Two jobs of two repositories run at
+/// once behind that one agent, so each supervisor (uid 2000) is offered both jobs' SVIDs:
+/// each presents exactly its own (the facade accepts a claim only from the assignment's
+/// identity), and each entry is gone with its sandbox.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_claims_its_job_with_exactly_its_svid_from_its_spire_entry() {
     const AGENT: &str = "spiffe://e2e.test/gdr/node";
@@ -163,6 +164,7 @@ async fn a_sandbox_claims_its_job_with_exactly_its_svid_from_its_spire_entry() {
     let server = tokio::task::block_in_place(|| OpenSandbox::start_with_binds(&docker.url(), &image, &[mount]));
     let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
     let repo = gitea.create_repo("identified").await;
+    let second = gitea.create_repo("identified-too").await;
     let token = gitea.runner_registration_token().await;
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.opensandbox = Some(SandboxOptions {
@@ -172,20 +174,31 @@ async fn a_sandbox_claims_its_job_with_exactly_its_svid_from_its_spire_entry() {
     let mut controller = Controller::start(options).await;
 
     gitea.commit_workflow(&repo, "identified.yml", IDENTIFIED).await;
+    gitea.commit_workflow(&second, "identified.yml", IDENTIFIED).await;
     let job_id = format!("spiffe://e2e.test/ci/{}/{}/build", repo.owner, repo.name);
+    let second_id = format!("spiffe://e2e.test/ci/{}/{}/build", second.owner, second.name);
     let path =
         |e: &serde_json::Value| format!("spiffe://{}{}", e["spiffe_id"]["trust_domain"].as_str().unwrap_or(""), e["spiffe_id"]["path"].as_str().unwrap_or(""));
-    wait_until("the sandbox's SPIRE entry exists", Duration::from_secs(120), || spire.entries().iter().any(|e| path(e) == job_id)).await;
+    wait_until("both sandboxes' SPIRE entries exist at once", Duration::from_secs(120), || {
+        let entries = spire.entries();
+        entries.iter().any(|e| path(e) == job_id) && entries.iter().any(|e| path(e) == second_id)
+    })
+    .await;
     let entry = spire.entries().into_iter().find(|e| path(e) == job_id).unwrap();
     assert_eq!(entry["parent_id"]["path"], "/gdr/node", "{entry}");
     assert_eq!(entry["selectors"][0]["value"], "uid:2000", "{entry}");
     assert!(entry["id"].as_str().unwrap().starts_with("gdr-"), "named after the sandbox: {entry}");
 
-    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| all_done(t, 1)).await;
-    let log = strip_log_timestamps(&gitea.job_log(&repo, tasks[0].run_number, 0).await);
-    assert_eq!(tasks[0].status, "success", "{tasks:?}\n{log}\n{}\n{}", server.log(), agent.log());
-    assert!(log.contains("claimed over mTLS"), "{log}");
-    wait_until("the entry is removed with the sandbox", Duration::from_secs(60), || !spire.entries().iter().any(|e| path(e) == job_id)).await;
+    for repo in [&repo, &second] {
+        let tasks = gitea.wait_for_tasks(repo, Duration::from_secs(180), |t| all_done(t, 1)).await;
+        let log = strip_log_timestamps(&gitea.job_log(repo, tasks[0].run_number, 0).await);
+        assert_eq!(tasks[0].status, "success", "{}: {tasks:?}\n{log}\n{}\n{}", repo.name, server.log(), agent.log());
+        assert!(log.contains("claimed over mTLS"), "{log}");
+    }
+    wait_until("the entries are removed with the sandboxes", Duration::from_secs(60), || {
+        !spire.entries().iter().any(|e| path(e) == job_id || path(e) == second_id)
+    })
+    .await;
     let mut left: Vec<String> = spire.entries().iter().map(path).collect();
     left.sort();
     assert_eq!(left, [CONTROLLER, AGENT], "only the controller's entry and the agent's alias stay");
