@@ -196,10 +196,11 @@ impl CapabilityKey {
 
 impl CapabilityKey {
     /// The proof that this key's installation made the environment `name` (the value of
-    /// `driver::LABEL_PROOF`): 22 characters of base64url MAC, valid as a Kubernetes label.
+    /// `driver::LABEL_PROOF`): 32 hex digits of MAC — hex, because label values of
+    /// Kubernetes and OpenSandbox must start and end with a letter or digit.
     pub fn prove(&self, name: &str) -> String {
         let tag = hmac::sign(&self.key, format!("environment\n{name}").as_bytes());
-        URL_SAFE_NO_PAD.encode(&tag.as_ref()[..16])
+        tag.as_ref()[..16].iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// Whether `proof` is this key's proof for `name`.
@@ -307,8 +308,8 @@ mod tests {
     fn a_proof_names_one_environment_of_one_key() {
         let (key, other) = (key(), CapabilityKey::from_bytes(&[b'o'; 32]).unwrap());
         let proof = key.prove("gdr-abc-gitea-task-1");
-        assert_eq!(proof.len(), 22);
-        assert!(proof.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'), "not a valid label value: {proof}");
+        assert_eq!(proof.len(), 32);
+        assert!(proof.bytes().all(|b| b.is_ascii_hexdigit()), "not a valid label value: {proof}");
         assert!(key.proves("gdr-abc-gitea-task-1", &proof));
         assert!(!key.proves("gdr-abc-gitea-task-2", &proof));
         assert!(!other.proves("gdr-abc-gitea-task-1", &proof));
