@@ -204,7 +204,7 @@ impl Environments {
     }
 }
 
-/// Each environment's own facade directory (`facade.environment_socket_dir`), beside the
+/// Each assignment's own facade directory (`facade.environment_socket_dir`), beside the
 /// test driver's.
 fn own_dir(driver_dir: &Path, name: &str) -> PathBuf {
     driver_dir.with_file_name("environments").join(name)
@@ -222,7 +222,10 @@ fn files(dir: &Path) -> Vec<Env> {
         let Ok(bytes) = std::fs::read(&path) else { continue };
         let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         let name = value["name"].as_str().unwrap().to_owned();
-        let own = own_dir(dir, &name);
+        let assignment_id = value["assignment_id"].as_str().unwrap();
+        // One directory per assignment, whichever attempt's environment this is.
+        let instance = value["labels"][controller::driver::LABEL_INSTANCE].as_str().unwrap();
+        let own = own_dir(dir, &controller::driver::environment_name(instance, assignment_id));
         // What PID 1 would read: the capability file the worker wrote before the create.
         let Ok(capability) = std::fs::read_to_string(own.join("capability")) else { continue };
         found.push(Env {
@@ -244,9 +247,9 @@ fn end_file(dir: &Path, name: &str) -> bool {
     let mut value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     value["terminal"] = serde_json::Value::Bool(true);
     let temporary = dir.join(format!(".{name}.chaos.tmp"));
-    std::fs::write(&temporary, serde_json::to_vec_pretty(&value).unwrap()).unwrap();
-    std::fs::rename(&temporary, &path).unwrap();
-    true
+    // A reconciler may delete it meanwhile (and a rename may bring it back, as a stale
+    // listing of a real backend would: the controller must not mind).
+    std::fs::write(&temporary, serde_json::to_vec_pretty(&value).unwrap()).is_ok() && std::fs::rename(&temporary, &path).is_ok()
 }
 
 /// What the agents did, by task and environment.

@@ -1,8 +1,9 @@
 //! Crash safety with the real nats-server: the real controller process is killed
 //! with SIGKILL (`kill -9`, at crash points of the `test-driver` build) between fetch
 //! and persist, between persist and environment creation, and right after a claim;
-//! it is restarted, and the test, playing each environment's supervisor, claims and
-//! finishes every task. The fake Gitea counts what happened to each task.
+//! it is restarted, and the test, playing each environment's supervisor on the
+//! environment's own facade socket, claims and finishes every task. The fake Gitea
+//! counts what happened to each task.
 
 #![allow(clippy::unwrap_used)]
 
@@ -28,6 +29,16 @@ struct Setup {
     dir: tempfile::TempDir,
     config: PathBuf,
     envs: PathBuf,
+}
+
+/// An environment the test driver holds, as its supervisor sees it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Env {
+    assignment_id: String,
+    /// What PID 1 reads from its facade directory.
+    capability: String,
+    creates: u64,
+    /// Its own facade socket.
     socket: PathBuf,
 }
 
@@ -38,7 +49,6 @@ fn setup(gitea: &FakeGitea, nats: &nats::NatsServer) -> Setup {
     let key = d.join("capability.key");
     std::fs::write(&key, "0123456789abcdef0123456789abcdef-crash-test\n").unwrap();
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let socket = d.join("facade.sock");
     let config = d.join("controller.toml");
     std::fs::write(
         &config,
@@ -59,8 +69,7 @@ ack_wait = "2s"
 
 [facade]
 capability_key_file = "{dir}/capability.key"
-unix_socket = "{socket}"
-url = "unix://{socket}"
+environment_socket_dir = "{dir}/environments"
 
 [http]
 listen = "127.0.0.1:0"
@@ -75,11 +84,10 @@ image = "unused-with-the-test-driver"
             gitea = gitea.url(),
             dir = d.display(),
             nats = nats.url,
-            socket = socket.display(),
         ),
     )
     .unwrap();
-    Setup { envs: d.join("envs"), dir, config, socket }
+    Setup { envs: d.join("envs"), dir, config }
 }
 
 fn controller(setup: &Setup, crash_at: Option<&str>) -> Child {
@@ -118,25 +126,30 @@ impl Drop for Stop {
     }
 }
 
-/// The environments the driver holds: (assignment id, capability, creates).
-fn environments(dir: &Path) -> Vec<(String, String, u64)> {
+/// The environments the driver holds.
+fn environments(dir: &Path) -> Vec<Env> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut found = Vec::new();
     for entry in entries.flatten() {
         if entry.path().extension().is_some_and(|e| e == "json") {
             let value: serde_json::Value = serde_json::from_slice(&std::fs::read(entry.path()).unwrap()).unwrap();
-            found.push((
-                value["assignment_id"].as_str().unwrap().to_owned(),
-                value["env"]["CI_RUNNER_CAPABILITY"].as_str().unwrap().to_owned(),
-                value["creates"].as_u64().unwrap(),
-            ));
+            let assignment_id = value["assignment_id"].as_str().unwrap().to_owned();
+            let instance = value["labels"][controller::driver::LABEL_INSTANCE].as_str().unwrap();
+            // Written before the environment was created.
+            let own = dir.with_file_name("environments").join(controller::driver::environment_name(instance, &assignment_id));
+            found.push(Env {
+                capability: std::fs::read_to_string(own.join("capability")).unwrap(),
+                creates: value["creates"].as_u64().unwrap(),
+                socket: own.join("facade.sock"),
+                assignment_id,
+            });
         }
     }
     found.sort();
     found
 }
 
-async fn wait_for_environments(dir: &Path, n: usize, timeout: Duration) -> Vec<(String, String, u64)> {
+async fn wait_for_environments(dir: &Path, n: usize, timeout: Duration) -> Vec<Env> {
     let deadline = Instant::now() + timeout;
     loop {
         let found = environments(dir);
@@ -177,10 +190,14 @@ async fn facade(socket: &Path) -> FacadeServiceClient<tonic::transport::Channel>
     panic!("the facade socket never answered");
 }
 
-/// Plays the supervisor of one environment: claim, then report success.
-async fn run_environment(client: &mut FacadeServiceClient<tonic::transport::Channel>, id: &str, capability: &str) -> Result<i64, tonic::Status> {
-    let credential = Some(AssignmentCredential { assignment_id: id.to_owned(), capability: capability.to_owned() });
-    let task = client.claim(ClaimRequest { credential: credential.clone(), holder: HOLDER.into() }).await?.into_inner().task.unwrap();
+/// Plays the supervisor of one environment on its own socket: claim, then report success.
+async fn run_environment(env: &Env) -> Result<i64, tonic::Status> {
+    let mut client = facade(&env.socket).await;
+    let credential = Some(AssignmentCredential { assignment_id: env.assignment_id.clone(), capability: env.capability.clone() });
+    let claimed = client.claim(ClaimRequest { credential, holder: HOLDER.into() }).await?.into_inner();
+    let task = claimed.task.unwrap();
+    // Reports carry the session the claim gave.
+    let credential = Some(AssignmentCredential { assignment_id: env.assignment_id.clone(), capability: claimed.session });
     let done = RunnerUpdate {
         state: Some(TaskState { id: task.id, result: TaskResult::Success as i32, stopped_at: Some(prost_types::Timestamp::default()), ..Default::default() }),
         outputs: Default::default(),
@@ -218,9 +235,8 @@ async fn kill_between_persist_and_environment_creation() {
 
     let _running = Stop(controller(&setup, None));
     let envs = wait_for_environments(&setup.envs, 3, Duration::from_secs(60)).await;
-    let mut client = facade(&setup.socket).await;
-    for (id, capability, _) in &envs {
-        run_environment(&mut client, id, capability).await.unwrap();
+    for env in &envs {
+        run_environment(env).await.unwrap();
     }
     assert_each_finished_once(&gitea, 3);
     assert_eq!(gitea.with(|s| s.tasks.len()), 3, "a task was fetched twice");
@@ -237,22 +253,20 @@ async fn kill_right_after_a_claim() {
     let setup = setup(&gitea, &nats);
     let mut crashing = controller(&setup, Some("after-claim"));
     let envs = wait_for_environments(&setup.envs, 2, Duration::from_secs(60)).await;
-    let mut client = facade(&setup.socket).await;
     // The claim is recorded, then the process dies before answering.
-    let (id, capability, _) = envs[0].clone();
-    assert!(run_environment(&mut client, &id, &capability).await.is_err());
+    assert!(run_environment(&envs[0]).await.is_err());
     let status = wait_for_exit(&mut crashing, Duration::from_secs(30));
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
 
     let _running = Stop(controller(&setup, None));
-    let mut client = facade(&setup.socket).await;
     // The same holder retries and gets the same task; another holder would be refused.
-    for (id, capability, _) in &envs {
-        run_environment(&mut client, id, capability).await.unwrap();
+    for env in &envs {
+        run_environment(env).await.unwrap();
     }
-    let second = client
+    let second = facade(&envs[0].socket)
+        .await
         .claim(ClaimRequest {
-            credential: Some(AssignmentCredential { assignment_id: id.clone(), capability: capability.clone() }),
+            credential: Some(AssignmentCredential { assignment_id: envs[0].assignment_id.clone(), capability: envs[0].capability.clone() }),
             holder: "someone-else-0123456789".into(),
         })
         .await
@@ -282,9 +296,8 @@ async fn kill_between_fetch_and_persist() {
 
     let _running = Stop(controller(&setup, None));
     let envs = wait_for_environments(&setup.envs, 3 - handed_over, Duration::from_secs(60)).await;
-    let mut client = facade(&setup.socket).await;
-    for (id, capability, _) in &envs {
-        run_environment(&mut client, id, capability).await.unwrap();
+    for env in &envs {
+        run_environment(env).await.unwrap();
     }
     assert_each_finished_once(&gitea, 3 - handed_over);
     gitea.with(|s| {

@@ -207,13 +207,10 @@ stale_after = "1s"
     assert_eq!(env_var(&docker, &made[0], "CI_RUNNER_FACADE_URL"), format!("http://{facade}"));
     let mut client = FacadeServiceClient::connect(format!("http://{facade}")).await.unwrap();
     let credential = Some(AssignmentCredential { assignment_id: id.clone(), capability });
-    let task = client
-        .claim(ClaimRequest { credential: credential.clone(), holder: "sandbox-crash-holder-0123456789".into() })
-        .await
-        .unwrap()
-        .into_inner()
-        .task
-        .unwrap();
+    let claimed = client.claim(ClaimRequest { credential: credential.clone(), holder: "sandbox-crash-holder-0123456789".into() }).await.unwrap().into_inner();
+    let task = claimed.task.unwrap();
+    // Reports carry the session the claim gave, not the environment's capability.
+    let credential = Some(AssignmentCredential { assignment_id: id.clone(), capability: claimed.session });
     let done = RunnerUpdate {
         state: Some(TaskState { id: task.id, result: TaskResult::Success as i32, stopped_at: Some(prost_types::Timestamp::default()), ..Default::default() }),
         outputs: Default::default(),

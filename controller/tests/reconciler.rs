@@ -25,7 +25,7 @@ use controller::{
     lifecycle::Lifecycle,
     placements::Placements,
     store::{Record, Store, jetstream::JetStream, now_ms},
-    worker::reconciler::Reconciler,
+    worker::reconciler::{MAX_ATTEMPTS, Reconciler},
 };
 
 const DOCKER: Placement = Placement::CONTAINER_DOCKER;
@@ -71,7 +71,13 @@ async fn rig() -> Rig {
 /// An environment of `assignment_id` as the worker makes it (proof included, unless
 /// `proof` says otherwise), recorded on its assignment.
 async fn make(rig: &Rig, assignment_id: &str, proof: Option<String>) -> String {
-    let name = controller::driver::environment_name("test", assignment_id);
+    let attempt = rig.store.get(assignment_id).await.unwrap().map_or(0, |r| r.value.attempts);
+    make_attempt(rig, assignment_id, attempt, proof).await
+}
+
+/// The environment of one attempt (an earlier one: as a stale listing shows it).
+async fn make_attempt(rig: &Rig, assignment_id: &str, attempt: u32, proof: Option<String>) -> String {
+    let name = controller::driver::attempt_name("test", assignment_id, attempt);
     let mut labels = controller::driver::labels_for("test", assignment_id, DOCKER);
     labels.insert(controller::driver::LABEL_PROOF.to_owned(), proof.unwrap_or_else(|| key().prove(&name)));
     let spec = EnvironmentSpec { assignment_id: assignment_id.to_owned(), name: name.clone(), labels, ..EnvironmentSpec::default() };
@@ -101,7 +107,7 @@ async fn an_environment_lost_before_its_claim_is_made_again_then_the_task_fails_
     let mut consumer = rig.store.consumer(DOCKER, 4).await.unwrap();
     let id = pending(&rig, 31).await;
     consumer.next(Duration::from_secs(5)).await.unwrap().unwrap().ack().await.unwrap();
-    for attempt in 1..controller::worker::reconciler::MAX_ATTEMPTS {
+    for attempt in 1..MAX_ATTEMPTS {
         let name = make(&rig, &id, None).await;
         // Vanished (removed behind the controller's back).
         rig.driver.recorded.lock().unwrap().environments.remove(&name);
@@ -113,8 +119,20 @@ async fn an_environment_lost_before_its_claim_is_made_again_then_the_task_fails_
         assert_eq!(again.assignment_id(), id);
         again.ack().await.unwrap();
     }
-    // The last allowed environment ends before its claim too (exited): the task fails.
+    // An earlier attempt's environment, ended, shows up beside the current one (a listing
+    // taken before its deletion, a killed process's leftover): it is deleted and neither
+    // the current environment's record nor its slot is touched.
     let name = make(&rig, &id, None).await;
+    let stale = make_attempt(&rig, &id, 0, None).await;
+    controller::store::modify(rig.store.as_ref(), &id, |r| Some(Record { environment: Some(name.clone()), ..r.clone() })).await.unwrap();
+    rig.driver.recorded.lock().unwrap().environments.get_mut(&stale).unwrap().1 = Phase::Exited;
+    rig.reconciler.sweep().await.unwrap();
+    let record = rig.store.get(&id).await.unwrap().unwrap().value;
+    assert_eq!((record.attempts, record.environment.as_deref()), (MAX_ATTEMPTS - 1, Some(name.as_str())), "{record:?}");
+    assert!(rig.runtime.pool.holds(&id), "the current environment keeps its slot");
+    assert_eq!(rig.driver.live(), 1, "the earlier attempt's environment was deleted, the current one kept");
+    assert_ne!(stale, name);
+    // The last allowed environment ends before its claim too (exited): the task fails.
     rig.driver.recorded.lock().unwrap().environments.get_mut(&name).unwrap().1 = Phase::Exited;
     rig.reconciler.sweep().await.unwrap();
     let record = rig.store.get(&id).await.unwrap().unwrap().value;

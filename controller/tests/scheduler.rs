@@ -238,9 +238,8 @@ async fn a_deleted_runner_stops_its_placement_only_and_a_bare_401_is_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_the_store_cannot_take_fails_in_gitea_with_the_reason() {
     let nats = testkit::nats::NatsServer::start();
-    let store: Arc<dyn Store> = Arc::new(
-        controller::store::jetstream::JetStream::connect(&nats.url, "ci.assignments", "ci-assignments", Duration::from_secs(30)).await.unwrap(),
-    );
+    let store: Arc<dyn Store> =
+        Arc::new(controller::store::jetstream::JetStream::connect(&nats.url, "ci.assignments", "ci-assignments", Duration::from_secs(30)).await.unwrap());
     let fake = FakeGitea::start().await;
     let dir = tempfile::tempdir().unwrap();
     let mut large = Job::new(&["disposable", "container", "docker"]);

@@ -24,6 +24,12 @@ include!(concat!(env!("OUT_DIR"), "/packages.rs"));
 
 pub mod pieces;
 
+/// The header of Gitea's Declare reply (Gitea ≥ 1.27) naming what the server takes from
+/// a runner besides the runner protocol: "job-summary" makes gitea-runner upload each
+/// step's `$GITHUB_STEP_SUMMARY` to `ACTIONS_RUNTIME_URL`. A runner behind a loopback
+/// that does not answer it the same never uploads them.
+pub const CAPABILITIES_HEADER: &str = "x-gitea-actions-capabilities";
+
 /// The SPIFFE Workload API (package-less: its gRPC paths are `/SpiffeWorkloadAPI/...`).
 #[allow(clippy::all)]
 pub mod spiffe_workload {

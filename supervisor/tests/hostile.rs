@@ -451,7 +451,15 @@ async fn generated_hostile_requests_get_proper_connect_errors() {
     let runner = LocalRunner::new("gitea-task-7", vec!["disposable".into()]).unwrap();
     let (_ready, steps) = tokio::sync::watch::channel(true);
     let task = Task { id: 7, workflow_payload: Some(b"jobs: {}".to_vec()), context: Some(Default::default()), ..Default::default() };
-    let served = Served { runner: runner.clone(), task, upstream: Arc::new(Sink), hooks: RunnerHooks::Auto, steps_may_run: steps, stopping: Arc::default() };
+    let served = Served {
+        runner: runner.clone(),
+        task,
+        gitea_capabilities: String::new(),
+        upstream: Arc::new(Sink),
+        hooks: RunnerHooks::Auto,
+        steps_may_run: steps,
+        stopping: Arc::default(),
+    };
     let shutdown = CancellationToken::new();
     let router = loopback::router(served).with_max_request_bytes(LIMIT);
     let (address, server) = loopback::start(router, proxy::fallback(None).unwrap(), shutdown.clone()).await.unwrap();

@@ -128,10 +128,29 @@ async fn loopback(task: Task, hooks: RunnerHooks, gitea: Option<&str>, steps_may
 }
 
 async fn loopback_stopping(task: Task, hooks: RunnerHooks, gitea: Option<&str>, steps_may_run: bool, stopping: Arc<AtomicBool>) -> Loopback {
+    loopback_with(task, hooks, gitea, steps_may_run, stopping, "").await
+}
+
+async fn loopback_with(
+    task: Task,
+    hooks: RunnerHooks,
+    gitea: Option<&str>,
+    steps_may_run: bool,
+    stopping: Arc<AtomicBool>,
+    gitea_capabilities: &str,
+) -> Loopback {
     let runner = LocalRunner::new("gitea-task-7", vec!["disposable".into(), "container".into(), "docker".into()]).unwrap();
     let upstream = Arc::new(Recording::default());
     let (ready, steps) = watch::channel(steps_may_run);
-    let served = Served { runner: runner.clone(), task, upstream: Arc::clone(&upstream) as Arc<dyn Upstream>, hooks, steps_may_run: steps, stopping };
+    let served = Served {
+        runner: runner.clone(),
+        task,
+        gitea_capabilities: gitea_capabilities.to_owned(),
+        upstream: Arc::clone(&upstream) as Arc<dyn Upstream>,
+        hooks,
+        steps_may_run: steps,
+        stopping,
+    };
     let shutdown = CancellationToken::new();
     let (address, _server) = loopback::start(loopback::router(served), proxy::fallback(gitea).unwrap(), shutdown.clone()).await.unwrap();
     assert!(address.ip().is_loopback());
@@ -163,6 +182,22 @@ async fn fetch(client: &Client, timeout: Option<Duration>) -> FetchTaskResponse 
         None => CallOptions::default(),
     };
     client.unary(&format!("{S}FetchTask"), &FetchTaskRequest { tasks_version: 0 }, &options).await.unwrap().message
+}
+
+/// gitea-runner uploads step summaries only when its Declare reply names "job-summary"
+/// (Gitea ≥ 1.27): the loopback answers what Gitea answered the controller, and nothing
+/// where Gitea said nothing (1.23 has no summary route).
+#[tokio::test]
+async fn declare_answers_the_capabilities_gitea_gave() {
+    for (capabilities, header) in [("job-summary", Some("job-summary")), ("", None)] {
+        let lb = loopback_with(task(), RunnerHooks::JobStarted, None, true, Arc::default(), capabilities).await;
+        let file: serde_json::Value = serde_json::from_slice(&lb.runner.runner_file(&lb.address)).unwrap();
+        let client = runner_client(file["address"].as_str().unwrap(), file["uuid"].as_str().unwrap(), file["token"].as_str().unwrap());
+        let request = DeclareRequest { version: "v3.3.0".into(), labels: vec!["disposable".into()], capabilities: vec!["cancelling".into()] };
+        let declared = client.unary::<_, DeclareResponse>(&format!("{S}Declare"), &request, &CallOptions::default()).await.unwrap();
+        assert_eq!(declared.headers.get(proto::CAPABILITIES_HEADER).map(|v| v.to_str().unwrap()), header, "{capabilities:?}");
+        lb.shutdown.cancel();
+    }
 }
 
 #[tokio::test]

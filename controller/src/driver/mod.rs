@@ -181,6 +181,15 @@ pub fn environment_name(instance: &str, assignment_id: &str) -> String {
     if instance.is_empty() { format!("gdr-{}", name.trim_matches('-')) } else { format!("gdr-{instance}-{}", name.trim_matches('-')) }
 }
 
+/// The name of an assignment's environment at `attempt` (0: the first). A new attempt
+/// gets a new name, so that a listing taken before an ended environment was deleted
+/// can never be mistaken for its successor: a stale stop or "ended" would otherwise
+/// hit the new environment of the same name (found by the kill campaign).
+pub fn attempt_name(instance: &str, assignment_id: &str, attempt: u32) -> String {
+    let name = environment_name(instance, assignment_id);
+    if attempt == 0 { name } else { format!("{name}-r{attempt}") }
+}
+
 /// Recovery labels of an environment.
 pub fn labels_for(instance: &str, assignment_id: &str, placement: Placement) -> BTreeMap<String, String> {
     BTreeMap::from([
@@ -211,5 +220,8 @@ mod tests {
         assert_ne!(environment_name(&instance, "gitea-task-42"), environment_name(&instance, "gitea-task-43"));
         assert_ne!(environment_name(&instance, "gitea-task-42"), environment_name(&instance_of("http://other", ""), "gitea-task-42"));
         assert!(environment_name(&instance, &format!("gitea-task-{}", i64::MAX)).len() <= 63, "DNS-1123 labels are at most 63 characters");
+        assert_eq!(attempt_name(&instance, "gitea-task-42", 0), environment_name(&instance, "gitea-task-42"));
+        assert_ne!(attempt_name(&instance, "gitea-task-42", 1), attempt_name(&instance, "gitea-task-42", 2));
+        assert!(attempt_name(&instance, &format!("gitea-task-{}", i64::MAX), 9).len() <= 63, "DNS-1123 labels are at most 63 characters");
     }
 }

@@ -199,7 +199,10 @@ impl Facade {
         loop {
             match &record.value.state {
                 State::Claimed { holder: current, claimed_at_ms } if *current == holder => {
-                    return Ok(claim_response(assignment.task.clone(), *claimed_at_ms, self.session(&assignment.id, *claimed_at_ms)));
+                    return Ok(ClaimResponse {
+                        gitea_capabilities: self.gitea_capabilities(&record.value.runner),
+                        ..claim_response(assignment.task.clone(), *claimed_at_ms, self.session(&assignment.id, *claimed_at_ms))
+                    });
                 }
                 State::Claimed { .. } => {
                     tracing::warn!(assignment_id = %assignment.id, "a second holder tried to claim");
@@ -222,7 +225,10 @@ impl Facade {
                             {
                                 metrics.claim_latency.observe(seconds_since(record.value.created_at_ms));
                             }
-                            return Ok(claim_response(assignment.task.clone(), claimed_at_ms, self.session(&assignment.id, claimed_at_ms)));
+                            return Ok(ClaimResponse {
+                                gitea_capabilities: self.gitea_capabilities(&record.value.runner),
+                                ..claim_response(assignment.task.clone(), claimed_at_ms, self.session(&assignment.id, claimed_at_ms))
+                            });
                         }
                         Err(StoreError::Conflict { .. }) => {
                             record = self.store.get(&assignment.id).await.map_err(store_status)?.ok_or_else(|| Status::not_found("assignment vanished"))?;
@@ -232,6 +238,11 @@ impl Facade {
                 }
             }
         }
+    }
+
+    /// What Gitea told the runner that fetched the task it takes besides the protocol.
+    fn gitea_capabilities(&self, runner_uuid: &str) -> String {
+        self.registrations.reports_for(runner_uuid).map(|reports| reports.server_capabilities().to_owned()).unwrap_or_default()
     }
 
     /// A report on the claimed task: authorized, for this assignment's task only, and
@@ -356,6 +367,7 @@ fn phase_summary(phase: Phase, detail: &str, exit_code: i32) -> String {
 fn claim_response(task: Task, claimed_at_ms: i64, session: String) -> ClaimResponse {
     ClaimResponse {
         session,
+        gitea_capabilities: String::new(),
         task: Some(task),
         claimed_at: Some(prost_types::Timestamp {
             seconds: claimed_at_ms.div_euclid(1000),

@@ -138,6 +138,8 @@ pub struct Gitea {
     version: String,
     /// Empty until [`Gitea::authenticated`].
     runner_uuid: String,
+    /// From the Declare reply (see [`TaskReports::server_capabilities`]).
+    server_capabilities: String,
 }
 
 impl Gitea {
@@ -153,6 +155,7 @@ impl Gitea {
             credential_file: credential_file.to_owned(),
             version: format!("gitea-dynamic-runner/{}", env!("CARGO_PKG_VERSION")),
             runner_uuid: String::new(),
+            server_capabilities: String::new(),
         })
     }
 
@@ -198,13 +201,17 @@ impl Gitea {
 
     /// # Errors
     /// Unregistered, too old, or unreachable after retries.
-    pub async fn declare(&self, labels: &[String]) -> Result<DeclareResponse, GiteaError> {
+    /// The reply, and the server's capabilities ([`proto::CAPABILITIES_HEADER`]; empty
+    /// before Gitea 1.27).
+    pub async fn declare(&self, labels: &[String]) -> Result<(DeclareResponse, String), GiteaError> {
         let request =
             DeclareRequest { version: self.version.clone(), labels: labels.to_vec(), capabilities: CAPABILITIES.iter().map(|c| (*c).to_owned()).collect() };
-        self.call("Declare", &request).await.map_err(|error| match error {
+        let response = self.call_with_headers("Declare", &request).await.map_err(|error| match error {
             GiteaError::Call { error, .. } if error.code == Code::Unimplemented => GiteaError::TooOld,
             other => other,
-        })
+        })?;
+        let capabilities = response.headers.get(proto::CAPABILITIES_HEADER).and_then(|v| v.to_str().ok()).unwrap_or_default().trim().to_owned();
+        Ok((response.message, capabilities))
     }
 
     /// One FetchTask, answered at once by Gitea.
@@ -235,12 +242,20 @@ impl Gitea {
     /// A call with the runner's 60 s timeout, retried with backoff while Gitea is
     /// unavailable (for at most five minutes, then the error is returned).
     async fn call<Req: connect::Message, Resp: connect::Message>(&self, method: &'static str, request: &Req) -> Result<Resp, GiteaError> {
+        self.call_with_headers(method, request).await.map(|response| response.message)
+    }
+
+    async fn call_with_headers<Req: connect::Message, Resp: connect::Message>(
+        &self,
+        method: &'static str,
+        request: &Req,
+    ) -> Result<connect::client::Response<Resp>, GiteaError> {
         let options = CallOptions::default().with_timeout(RPC_TIMEOUT);
         let mut delay = Duration::from_millis(200);
         let give_up = tokio::time::Instant::now() + Duration::from_secs(300);
         loop {
             match self.client.unary::<Req, Resp>(&format!("{SERVICE}{method}"), request, &options).await {
-                Ok(response) => return Ok(response.message),
+                Ok(response) => return Ok(response),
                 Err(error) if error.code == Code::Unavailable && tokio::time::Instant::now() + delay < give_up => {
                     tracing::warn!(call = method, %error, retry_in = ?delay, "Gitea unavailable; retrying");
                     tokio::time::sleep(delay).await;
@@ -277,6 +292,10 @@ pub trait TaskReports: Send + Sync + std::fmt::Debug {
     /// The runner uuid these reports are made as (Gitea accepts reports on a task only
     /// from the runner that fetched it).
     fn runner_uuid(&self) -> &str;
+    /// What Gitea answered this runner's Declare with in [`proto::CAPABILITIES_HEADER`].
+    fn server_capabilities(&self) -> &str {
+        ""
+    }
     async fn update_task(&self, request: &UpdateTaskRequest) -> Result<UpdateTaskResponse, GiteaError>;
     async fn update_log(&self, request: &UpdateLogRequest) -> Result<UpdateLogResponse, GiteaError>;
 }
@@ -285,6 +304,10 @@ pub trait TaskReports: Send + Sync + std::fmt::Debug {
 impl TaskReports for Gitea {
     fn runner_uuid(&self) -> &str {
         &self.runner_uuid
+    }
+
+    fn server_capabilities(&self) -> &str {
+        &self.server_capabilities
     }
 
     async fn update_task(&self, request: &UpdateTaskRequest) -> Result<UpdateTaskResponse, GiteaError> {
@@ -384,8 +407,12 @@ pub async fn connect(
             credential
         }
     };
-    let gitea = anonymous.authenticated(&credential)?;
-    gitea.declare(labels).await?;
+    let mut gitea = anonymous.authenticated(&credential)?;
+    let (_, capabilities) = gitea.declare(labels).await?;
+    if !capabilities.is_empty() {
+        tracing::info!(%capabilities, "Gitea takes more than the runner protocol from its runners");
+    }
+    gitea.server_capabilities = capabilities;
     Ok((gitea, credential))
 }
 

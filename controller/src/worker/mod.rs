@@ -331,7 +331,7 @@ impl Worker {
         if record.value.is_terminal() {
             return Ok(Placed::Done);
         }
-        let name = driver::environment_name(&self.settings.instance, assignment_id);
+        let name = driver::attempt_name(&self.settings.instance, assignment_id, record.value.attempts);
         if record.value.environment.is_some() {
             if self.driver.get(&name).await?.is_some() {
                 self.runtime.pool.adopt(assignment_id);
@@ -422,7 +422,11 @@ pub fn environment_spec(
     let capability = key.issue(&assignment.id, expires);
     // Its own socket and a capability file where the driver can mount a directory.
     let own_dir = settings.socket_dir.as_deref().filter(|_| settings.socket_placements.contains(&placement));
-    let facade_dir = own_dir.map(|dir| driver::FacadeDir { host: crate::facade::sockets::environment_dir(dir, name), capability: capability.clone() });
+    // One directory per assignment (its socket outlives an attempt's environment).
+    let facade_dir = own_dir.map(|dir| driver::FacadeDir {
+        host: crate::facade::sockets::environment_dir(dir, &driver::environment_name(&settings.instance, &assignment.id)),
+        capability: capability.clone(),
+    });
     let contract = Contract {
         assignment_id: Some(assignment.id.clone()),
         capability_file: facade_dir.as_ref().map(|_| format!("{}/{}", contract::facade::ENVIRONMENT_DIR, contract::facade::CAPABILITY_NAME)),

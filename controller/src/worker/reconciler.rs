@@ -82,6 +82,11 @@ impl Reconciler {
         named && proven
     }
 
+    /// Whether `name` is the environment of the record's current attempt.
+    fn current_attempt(&self, record: &Record, name: &str) -> bool {
+        crate::driver::attempt_name(&self.instance, &record.assignment_id, record.attempts) == name
+    }
+
     /// One pass over the placement's environments and started assignments; returns
     /// how many environments it removed.
     ///
@@ -223,6 +228,13 @@ impl Reconciler {
                 tracing::info!(environment = %environment.name, assignment_id = %id, "environment without an assignment");
                 true
             }
+            (Some(record), _) if !record.is_terminal() && !self.current_attempt(record, &environment.name) => {
+                // An earlier attempt's environment (listed before it was deleted, or one
+                // a killed process left): never the job's, so neither its slot nor its
+                // record is touched.
+                tracing::info!(environment = %environment.name, assignment_id = %id, "environment of an earlier attempt");
+                return self.driver.delete(&environment.name).await.is_ok();
+            }
             (Some(record), Phase::Running) if record.is_terminal() => {
                 // The lifecycle gives it a grace to end on its own; past that, stop it.
                 let grace = i64::try_from(lifecycle::DEFAULT_RETIRE_GRACE.as_millis()).unwrap_or(i64::MAX);
@@ -233,7 +245,7 @@ impl Reconciler {
                 false
             }
             (Some(record), Phase::Exited | Phase::Terminal) if record.state == State::Pending => {
-                // Deleted first, so the new environment (same name) does not meet it.
+                // Deleted before the next attempt is queued, so that one slot holds one environment.
                 if let Err(error) = self.driver.delete(&environment.name).await {
                     tracing::warn!(environment = %environment.name, %error, "cannot delete the environment yet");
                     return false;

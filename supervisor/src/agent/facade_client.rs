@@ -30,6 +30,15 @@ pub enum FacadeClientError {
     Claim { assignment_id: String, status: tonic::Status },
 }
 
+/// What a claim gives the environment.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub task: Task,
+    /// Gitea's answer to the runner's Declare ([`proto::CAPABILITIES_HEADER`]), to answer
+    /// the local runner the same.
+    pub gitea_capabilities: String,
+}
+
 #[derive(Clone)]
 pub struct FacadeClient {
     inner: FacadeServiceClient<Channel>,
@@ -118,7 +127,7 @@ impl FacadeClient {
     ///
     /// # Errors
     /// A refusal (wrong identity or capability, another holder) or the deadline.
-    pub async fn claim(&mut self, holder: &str, deadline: Duration) -> Result<Task, FacadeClientError> {
+    pub async fn claim(&mut self, holder: &str, deadline: Duration) -> Result<Claimed, FacadeClientError> {
         let give_up = tokio::time::Instant::now() + deadline;
         let mut delay = Duration::from_millis(200);
         loop {
@@ -130,7 +139,7 @@ impl FacadeClient {
                         self.credential.capability = response.session;
                     }
                     if let Some(task) = response.task {
-                        return Ok(task);
+                        return Ok(Claimed { task, gitea_capabilities: response.gitea_capabilities });
                     }
                     return Err(FacadeClientError::Claim {
                         assignment_id: self.credential.assignment_id.clone(),

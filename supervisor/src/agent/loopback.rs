@@ -143,6 +143,9 @@ pub fn random_hex(bytes: usize) -> std::io::Result<String> {
 pub struct Served {
     pub runner: LocalRunner,
     pub task: Task,
+    /// Answered to the runner's Declare in [`proto::CAPABILITIES_HEADER`] as Gitea
+    /// answered the controller's (empty: no header, as before Gitea 1.27).
+    pub gitea_capabilities: String,
     pub upstream: Arc<dyn Upstream>,
     pub hooks: RunnerHooks,
     /// True once the job's steps may run (dockerd ready, or no dockerd).
@@ -192,7 +195,7 @@ pub fn router(served: Served) -> Router {
                 authenticate(&served.runner, &request)?;
                 tracing::info!(version = %request.message.version, labels = ?request.message.labels, "the runner declared itself");
                 lock(&progress).version = Some(request.message.version.clone());
-                Ok(Response::new(DeclareResponse {
+                let mut response = Response::new(DeclareResponse {
                     runner: Some(Runner {
                         uuid: served.runner.assignment_id.clone(),
                         name: served.runner.assignment_id.clone(),
@@ -201,7 +204,13 @@ pub fn router(served: Served) -> Router {
                         ephemeral: true,
                         ..Default::default()
                     }),
-                }))
+                });
+                if let Ok(value) = http::HeaderValue::from_str(&served.gitea_capabilities)
+                    && !served.gitea_capabilities.is_empty()
+                {
+                    response.headers.insert(proto::CAPABILITIES_HEADER, value);
+                }
+                Ok(response)
             }
         })
         .unary("runner.v1.RunnerService/FetchTask", move |request: Request<FetchTaskRequest>| {

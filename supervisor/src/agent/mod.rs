@@ -261,8 +261,8 @@ async fn serve_the_runner(
             return exit::INTERNAL;
         }
     };
-    let task = match client.claim(&holder, Duration::from_secs(120)).await {
-        Ok(task) => task,
+    let facade_client::Claimed { task, gitea_capabilities } = match client.claim(&holder, Duration::from_secs(120)).await {
+        Ok(claimed) => claimed,
         Err(error) => {
             tracing::error!("agent: {}", crate::error_chain(&error));
             client.report(Phase::Failed, &error.to_string(), 0).await;
@@ -300,6 +300,7 @@ async fn serve_the_runner(
     let served = loopback::Served {
         runner: runner.clone(),
         task,
+        gitea_capabilities,
         upstream: std::sync::Arc::new(client.clone()),
         hooks: facade.hooks,
         steps_may_run: steps_receiver,

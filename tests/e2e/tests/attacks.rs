@@ -288,7 +288,10 @@ async fn attack(job_dockerd: bool) -> BTreeMap<String, (String, String)> {
         std::io::Write::write_all(&mut file, marker_value.as_bytes()).unwrap();
     }
     let loot = Loot {
-        claim_running: frame(&ClaimRequest { credential: credential(&running_id, key.issue(&running_id, far)), holder: "attacker-holder-0123456789abcdef".into() }),
+        claim_running: frame(&ClaimRequest {
+            credential: credential(&running_id, key.issue(&running_id, far)),
+            holder: "attacker-holder-0123456789abcdef".into(),
+        }),
         report_running: report(&running_id, running, key.issue(&session_scope(&running_id), far)),
         replay_ended: report(&ended_id, ended, key.issue(&session_scope(&ended_id), far)),
         credential: state.join("runners/container.docker.json").display().to_string(),
