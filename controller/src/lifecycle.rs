@@ -12,11 +12,19 @@
 //!    same when it sees the exit first; where this process has no driver for the
 //!    placement, the worker that has one does it.
 //!
+//! [`Lifecycle::ended_by_gitea`] is the end Gitea announces in a reply (a cancel): if the
+//! runner has not reported its own end by the time its environment is stopped, Gitea
+//! is told (≥ 1.27 keeps such a task `cancelling` until then).
+//!
 //! [`Lifecycle::fail`] first writes the reason into the job's log in Gitea (as its last
 //! line) and fails the task there, for the cases where nothing else will report: the
 //! environment died, could not be made, or the task cannot run.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    collections::HashSet,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use proto::runner::v1::Result as TaskResult;
 use tokio_util::task::TaskTracker;
@@ -41,6 +49,8 @@ pub struct Lifecycle {
     registrations: Registrations,
     retiring: TaskTracker,
     retire_grace: Duration,
+    /// Assignments Gitea ended whose runner has not reported its own end yet.
+    unreported: Arc<Mutex<HashSet<String>>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -53,7 +63,7 @@ pub enum LifecycleError {
 
 impl Lifecycle {
     pub fn new(store: Arc<dyn Store>, placements: Placements, registrations: Registrations) -> Self {
-        Lifecycle { store, placements, registrations, retiring: TaskTracker::new(), retire_grace: DEFAULT_RETIRE_GRACE }
+        Lifecycle { store, placements, registrations, retiring: TaskTracker::new(), retire_grace: DEFAULT_RETIRE_GRACE, unreported: Arc::default() }
     }
 
     pub fn with_retire_grace(mut self, grace: Duration) -> Self {
@@ -73,6 +83,26 @@ impl Lifecycle {
     #[tracing::instrument(skip(self), fields(assignment.id = %assignment_id))]
     pub async fn finish(&self, assignment_id: &str, result: i32) -> Result<Record, LifecycleError> {
         self.end(assignment_id, result, None).await
+    }
+
+    /// Gitea answered a report with the task's end (`result`: a cancel) before the runner
+    /// reported its own: finished as [`Lifecycle::finish`]; if the runner still has not
+    /// reported when its environment is stopped, Gitea is told the end then.
+    ///
+    /// # Errors
+    /// See [`Lifecycle::finish`].
+    pub async fn ended_by_gitea(&self, assignment_id: &str, result: i32) -> Result<Record, LifecycleError> {
+        self.unreported().insert(assignment_id.to_owned());
+        self.finish(assignment_id, result).await
+    }
+
+    /// The runner reported the task's end itself.
+    pub fn reported_end(&self, assignment_id: &str) {
+        self.unreported().remove(assignment_id);
+    }
+
+    fn unreported(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.unreported.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// [`Lifecycle::finish`], keeping `reason` on the record for operators.
@@ -131,12 +161,22 @@ impl Lifecycle {
         match (runtime.driver(), record.environment.clone()) {
             (Some(driver), Some(environment)) => {
                 let (grace, runtime) = (self.retire_grace, Arc::clone(runtime));
-                let assignment_id = record.assignment_id.clone();
+                let (assignment_id, runner, result) = (record.assignment_id.clone(), record.runner.clone(), record.result_code());
+                let (unreported, registrations) = (Arc::clone(&self.unreported), self.registrations.clone());
                 self.retiring.spawn(async move {
                     retire(driver.as_ref(), &environment, &assignment_id, grace, || {
                         runtime.pool.release(&assignment_id);
                     })
                     .await;
+                    let untold = unreported.lock().unwrap_or_else(PoisonError::into_inner).remove(&assignment_id);
+                    if let (true, Some(task_id), Ok(reports), Some(result)) =
+                        (untold, envelope::task_id_of(&assignment_id), registrations.reports_for(&runner), result)
+                    {
+                        match gitea::close_task(reports.as_ref(), task_id, result).await {
+                            Ok(()) => tracing::info!(%assignment_id, task_id, "the runner did not report the end Gitea announced; told Gitea"),
+                            Err(error) => tracing::warn!(%assignment_id, task_id, "cannot tell Gitea the end of the task: {}", crate::error_chain(&error)),
+                        }
+                    }
                 });
             }
             // No environment (yet): nothing runs, the slot is free.

@@ -239,6 +239,50 @@ async fn claim_forward_and_finish() {
     h.shutdown.cancel();
 }
 
+/// Gitea 1.27 keeps a cancelled task `cancelling` until its runner reports a final
+/// state. A runner that never does (stuck in a cleanup step, killed with its
+/// environment) would leave it so for Gitea's 10-minute zombie timeout: once the
+/// environment is stopped, the controller reports the end Gitea announced itself. A
+/// runner that reports its own end is not doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_the_runner_never_confirms_is_ended_in_gitea_when_its_environment_stops() {
+    let h = harness(2, 2).await;
+    let envs = environments(&h, 2).await;
+    let mut updates = Vec::new();
+    for (id, capability) in &envs {
+        let claimed = h.client.clone().claim(claim(id, capability, HOLDER)).await.unwrap().into_inner();
+        let task = claimed.task.unwrap();
+        h.fake.cancel_as_1_27(task.id);
+        let running = runner::UpdateTaskRequest { state: Some(runner::TaskState { id: task.id, ..Default::default() }), outputs: Default::default() };
+        let reply = h.client.clone().update_task(UpdateTaskRequest { credential: credential(id, &claimed.session), request: Some(running) }).await.unwrap();
+        assert_eq!(reply.into_inner().response.unwrap().state.unwrap().result, TaskResult::Cancelled as i32, "cancelling: the reply says cancelled");
+        assert_eq!(h.fake.with(|s| s.tasks[&task.id].final_result), None, "still cancelling in Gitea");
+        updates.push((id.clone(), claimed.session, task.id));
+    }
+    // The first runner confirms (with the result of its cleanup); the second never does.
+    let (id, session, confirmed) = updates[0].clone();
+    let done = runner::UpdateTaskRequest {
+        state: Some(runner::TaskState {
+            id: confirmed,
+            result: TaskResult::Success as i32,
+            stopped_at: Some(prost_types::Timestamp::default()),
+            ..Default::default()
+        }),
+        outputs: Default::default(),
+    };
+    h.client.clone().update_task(UpdateTaskRequest { credential: credential(&id, &session), request: Some(done) }).await.unwrap();
+    let silent = updates[1].2;
+    wait_until("both environments are retired", Duration::from_secs(10), || h.driver.live() == 0).await;
+    wait_until("Gitea has the silent runner's end", Duration::from_secs(10), || h.fake.with(|s| s.tasks[&silent].final_result.is_some())).await;
+    h.fake.with(|s| {
+        assert_eq!(s.tasks[&confirmed].final_result, Some(TaskResult::Cancelled as i32));
+        assert_eq!(s.tasks[&silent].final_result, Some(TaskResult::Cancelled as i32));
+        // Two UpdateTasks each: the running one, then the runner's end or the controller's.
+        assert_eq!((s.tasks[&confirmed].updates, s.tasks[&silent].updates), (2, 2), "an end was reported twice");
+    });
+    h.shutdown.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_have_the_right_status_codes() {
     let mut h = harness(2, 2).await;
@@ -355,6 +399,11 @@ async fn keep_alive_heartbeats_pending_tasks_and_cleans_up_cancelled_ones() {
     assert!(matches!(h.store.get(cancelled).await.unwrap().unwrap().value.state, State::Terminal { .. }));
     wait_until("the cancelled task's environment is deleted", Duration::from_secs(5), || h.driver.live() == 1).await;
     assert_eq!(h.runtime.pool.in_use(), 1);
+    // Gitea 1.27 keeps it cancelling until a runner reports: nothing of it ran, so the
+    // keep-alive reports its end at once.
+    h.fake.cancel_as_1_27(task_ids[1]);
+    assert_eq!(keep_alive.round().await.unwrap(), 1);
+    assert_eq!(h.fake.with(|s| s.tasks[&task_ids[1]].final_result), Some(TaskResult::Cancelled as i32), "still cancelling in Gitea");
     h.shutdown.cancel();
 }
 

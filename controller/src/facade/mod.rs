@@ -288,13 +288,19 @@ impl Facade {
         // the task (cancelled, or already finished), whether or not the runner says so.
         let answered = response.state.as_ref().map_or(0, |s| s.result);
         let ended = if reported != TaskResult::Unspecified as i32 { reported } else { answered };
+        if reported != TaskResult::Unspecified as i32 {
+            self.lifecycle.reported_end(&assignment.id);
+        }
         if ended != TaskResult::Unspecified as i32 && !record.is_terminal() {
-            if answered != TaskResult::Unspecified as i32 && reported == TaskResult::Unspecified as i32 {
+            let finished = if answered != TaskResult::Unspecified as i32 && reported == TaskResult::Unspecified as i32 {
                 tracing::info!(assignment_id = %assignment.id, task_id, result = %crate::lifecycle::result_name(answered), "Gitea ended the task");
-            }
-            // Gitea's result wins where the two differ (a cancelled task stays cancelled).
-            let result = if answered != TaskResult::Unspecified as i32 { answered } else { reported };
-            if let Err(error) = self.lifecycle.finish(&assignment.id, result).await {
+                self.lifecycle.ended_by_gitea(&assignment.id, answered).await
+            } else {
+                // Gitea's result wins where the two differ (a cancelled task stays cancelled).
+                let result = if answered != TaskResult::Unspecified as i32 { answered } else { reported };
+                self.lifecycle.finish(&assignment.id, result).await
+            };
+            if let Err(error) = finished {
                 tracing::error!(assignment_id = %assignment.id, "cannot record the end of the task: {}", crate::error_chain(&error));
             }
         }

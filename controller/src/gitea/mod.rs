@@ -376,6 +376,23 @@ pub async fn fail_task(reports: &dyn TaskReports, task_id: i64, reason: &str) ->
     reports.update_task(&state).await.map(|_| ())
 }
 
+/// Reports the end Gitea itself announced (`result`, a cancel) for a task whose runner
+/// did not report its own before its environment was stopped. Gitea ≥ 1.27 keeps a
+/// cancelled task `cancelling` until its runner reports (for up to its zombie timeout,
+/// 10 minutes); any result ends it as cancelled. A task already done (1.23 cancels at
+/// once) ignores it.
+///
+/// # Errors
+/// When Gitea cannot be told.
+pub async fn close_task(reports: &dyn TaskReports, task_id: i64, result: i32) -> Result<(), GiteaError> {
+    let now = prost_types::Timestamp::from(std::time::SystemTime::now());
+    let state = UpdateTaskRequest {
+        state: Some(proto::runner::v1::TaskState { id: task_id, result, started_at: None, stopped_at: Some(now), steps: Vec::new() }),
+        outputs: Default::default(),
+    };
+    reports.update_task(&state).await.map(|_| ())
+}
+
 /// Loads the stored credential, or registers with the token in `registration_token_file`
 /// and stores the new credential; then Declares `labels`.
 ///

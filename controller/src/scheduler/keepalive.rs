@@ -69,7 +69,14 @@ impl KeepAlive {
         }
         tracing::info!(task_id, "Gitea ended the task before it was claimed");
         match self.lifecycle.finish(id, result).await {
-            Ok(_) => true,
+            Ok(_) => {
+                // Nothing of it ran, so no runner will report its end: Gitea ≥ 1.27 keeps a
+                // cancelled task `cancelling` until one does (1.23 ignores this).
+                if let Err(error) = crate::gitea::close_task(reports.as_ref(), task_id, result).await {
+                    tracing::warn!(task_id, "cannot tell Gitea the end of the task: {}", crate::error_chain(&error));
+                }
+                true
+            }
             Err(error) => {
                 tracing::warn!("cannot finish: {}", crate::error_chain(&error));
                 false

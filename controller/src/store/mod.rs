@@ -118,6 +118,14 @@ impl Record {
         matches!(self.state, State::Terminal { .. })
     }
 
+    /// The result a terminal record ended with, as the runner protocol's code.
+    pub fn result_code(&self) -> Option<i32> {
+        match &self.state {
+            State::Terminal { result } => proto::runner::v1::Result::from_str_name(result).map(|r| r as i32),
+            _ => None,
+        }
+    }
+
     /// This record ended with `result`: terminal, the reason kept, the task's credentials
     /// removed.
     pub fn ended(&self, result: String, reason: Option<&str>) -> Record {

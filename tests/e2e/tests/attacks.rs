@@ -242,7 +242,7 @@ const ENDED: &str = "name: ended\non: push\njobs:\n  ended:\n    runs-on: [dispo
 const RUNNING: &str = "name: running\non: push\njobs:\n  running:\n    runs-on: [disposable, container, docker]\n    steps:\n      - run: echo victim running\n      - run: sleep 180\n";
 
 fn done(tasks: &[TaskInfo]) -> bool {
-    !tasks.is_empty() && tasks.iter().all(|t| !matches!(t.status.as_str(), "waiting" | "running" | "blocked"))
+    !tasks.is_empty() && tasks.iter().all(|t| !t.is_open())
 }
 
 /// Runs the victims and the attacker in one mode; returns attempt → (verdict, detail).

@@ -469,7 +469,7 @@ async fn settle(gitea: &Gitea, store: &JetStream, repo: &Repo) -> Vec<TaskInfo> 
     let started = Instant::now();
     loop {
         let tasks = gitea.tasks(repo).await;
-        let open: Vec<&TaskInfo> = tasks.iter().filter(|t| matches!(t.status.as_str(), "waiting" | "running" | "blocked")).collect();
+        let open: Vec<&TaskInfo> = tasks.iter().filter(|t| t.is_open()).collect();
         if (tasks.len() >= JOBS && open.is_empty()) || started.elapsed() > SETTLE {
             return tasks;
         }
@@ -500,7 +500,7 @@ async fn judge(gitea: &Gitea, store: &JetStream, repo: &Repo, tasks: &[TaskInfo]
     for task in tasks {
         let name = format!("iteration {iteration} task {} ({})", task.id, task.name);
         let record = store.get(&format!("gitea-task-{}", task.id)).await.ok().flatten();
-        if matches!(task.status.as_str(), "waiting" | "running" | "blocked") {
+        if task.is_open() {
             // A SIGKILL between FetchTask's reply and the persist: Gitea fails it after
             // its zombie timeout; nothing of it ran.
             if record.is_none() && matches!(fault, Fault::WorkerKill) {

@@ -40,7 +40,7 @@ fn options(gitea: &Gitea, token: &str, capacity: usize) -> Options {
 }
 
 fn done(tasks: &[TaskInfo], expected: usize) -> bool {
-    tasks.len() >= expected && tasks.iter().all(|t| !matches!(t.status.as_str(), "waiting" | "running" | "blocked"))
+    tasks.len() >= expected && tasks.iter().all(|t| !t.is_open())
 }
 
 /// A matrix of `n` jobs that each print, sleep `seconds`, then print again; job 1 fails

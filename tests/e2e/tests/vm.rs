@@ -65,7 +65,7 @@ async fn setup(name: &str) -> (OpenSandbox, Gitea, Repo, Controller, tokio::sync
 }
 
 fn all_done(tasks: &[TaskInfo], expected: usize) -> bool {
-    tasks.len() >= expected && tasks.iter().all(|t| !matches!(t.status.as_str(), "waiting" | "running" | "blocked"))
+    tasks.len() >= expected && tasks.iter().all(|t| !t.is_open())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

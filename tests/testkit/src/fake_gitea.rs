@@ -125,6 +125,14 @@ impl FakeGitea {
         state.tasks_version += 1;
     }
 
+    /// Cancels a running task as Gitea 1.27's cancel does for a runner that declared
+    /// `cancelling`: the task is `cancelling` (replies carry CANCELLED) until a final
+    /// state arrives, whatever its result, and is then cancelled.
+    pub fn cancel_as_1_27(&self, task_id: i64) {
+        let mut state = self.state.lock().unwrap();
+        state.tasks.entry(task_id).or_default().cancelled = true;
+    }
+
     /// Cancels a running task as Gitea 1.23.8's cancel does: it is cancelled at once.
     pub fn cancel(&self, task_id: i64) {
         let mut state = self.state.lock().unwrap();
@@ -279,7 +287,8 @@ fn router(state: Arc<Mutex<State>>) -> Router {
                 }
                 record.updates += 1;
                 if record.final_result.is_none() && task_state.result != TaskResult::Unspecified as i32 {
-                    record.final_result = Some(task_state.result);
+                    // Cancelling (1.27): any final state ends it as cancelled.
+                    record.final_result = Some(if record.cancelled { TaskResult::Cancelled as i32 } else { task_state.result });
                     record.stopped_at = task_state.stopped_at.map_or(0, |t| t.seconds);
                 }
                 for (key, value) in request.message.outputs {
@@ -287,7 +296,7 @@ fn router(state: Arc<Mutex<State>>) -> Router {
                         record.outputs.entry(key).or_insert(value);
                     }
                 }
-                let result = record.final_result.unwrap_or(TaskResult::Unspecified as i32);
+                let result = record.final_result.unwrap_or(if record.cancelled { TaskResult::Cancelled as i32 } else { TaskResult::Unspecified as i32 });
                 let sent: Vec<String> = record.outputs.keys().cloned().collect();
                 Ok(Response::new(UpdateTaskResponse {
                     state: Some(proto::runner::v1::TaskState { id: task_state.id, result, ..Default::default() }),

@@ -1,5 +1,8 @@
-//! A REAL Gitea 1.23.8 server for end-to-end tests: one per fixture, in its own temp
-//! dir, on a free port, with an admin user, an API token and Actions enabled.
+//! A REAL Gitea server for end-to-end tests: one per fixture, in its own temp dir, on a
+//! free port, with an admin user, an API token and Actions enabled. Two releases are
+//! served ([`GiteaVersion`]): 1.23.8 by default, 1.27.3 with `GDR_GITEA=1.27` (how
+//! `scripts/test` runs the real-Gitea tests a second time); where their routes differ
+//! the fixture speaks each one's (see "Gitea 1.27.3" below), so tests read the same.
 //!
 //! The binary is built from unmodified upstream sources by `scripts/install-test-peers` (the pinned test-peer builder)
 //! (called by `scripts/install-test-peers`): `$GITEA_BIN`, else `$PEERS_CACHE/bin/gitea`
@@ -35,6 +38,19 @@
 //!   `POST /{o}/{r}/actions/runs/{run}/jobs/0` (session + CSRF).
 //! - There is no API to list runners in 1.23 (`/admin/runners` only has
 //!   `registration-token`), so there is no `runners()`.
+//!
+//! Gitea 1.27.3 (read in its `routers/web/web.go` and `routers/api/v1/api.go`, verified
+//! here by the same tests):
+//! - Web routes of a run take the run's and the job's *ids*, not the run number and job
+//!   index: the fixture finds the run's id in `GET /api/v1/repos/{o}/{r}/actions/runs`
+//!   (`workflow_runs[].id` by `run_number`) and a job's id in the run view.
+//! - The run view is `POST /{o}/{r}/actions/runs/{run_id}` (`…/jobs/0` is a 404), logs
+//!   `GET /{o}/{r}/actions/runs/{run_id}/jobs/{job_id}/logs`, cancel
+//!   `POST /{o}/{r}/actions/runs/{run_id}/cancel`.
+//! - There is no CSRF token: Go's cross-origin protection passes requests without
+//!   `Origin`/`Sec-Fetch-Site`, and sign-in mints no `_csrf` cookie.
+//! - A cancelled task whose runner declared `cancelling` is `cancelling` until the
+//!   runner reports its end (then `cancelled`).
 
 use std::{
     collections::BTreeMap,
@@ -52,8 +68,53 @@ use serde::Deserialize;
 
 /// The admin user every fixture creates.
 pub const ADMIN_USER: &str = "gdr-admin";
-/// The Gitea version the fixture is written against.
-pub const GITEA_VERSION: &str = "1.23.8";
+/// The Gitea releases the fixture runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GiteaVersion {
+    /// 1.23.8 (May 2025): the default.
+    V1_23,
+    /// 1.27.3: `GDR_GITEA=1.27`.
+    V1_27,
+}
+
+impl GiteaVersion {
+    /// `GDR_GITEA`: unset or `1.23` → 1.23.8, `1.27` → 1.27.3; anything else panics
+    /// (a typo must not run the suite against the wrong server).
+    pub fn from_env() -> GiteaVersion {
+        match std::env::var("GDR_GITEA").as_deref() {
+            Err(_) | Ok("" | "1.23" | "1.23.8") => GiteaVersion::V1_23,
+            Ok("1.27" | "1.27.3") => GiteaVersion::V1_27,
+            Ok(other) => panic!("GDR_GITEA={other:?}: the fixture runs Gitea 1.23 (default) or 1.27"),
+        }
+    }
+
+    /// What `GET /api/v1/version` answers.
+    pub fn release(self) -> &'static str {
+        match self {
+            GiteaVersion::V1_23 => "1.23.8",
+            GiteaVersion::V1_27 => "1.27.3",
+        }
+    }
+
+    /// Whether web routes of a run take ids (1.27) or the run number and job index (1.23).
+    pub fn routes_by_id(self) -> bool {
+        self == GiteaVersion::V1_27
+    }
+
+    /// The binary: `$GITEA_BIN` / `$PEERS_CACHE/bin/gitea` for 1.23,
+    /// `$GITEA_127_BIN` / `$PEERS_CACHE/bin/gitea-1.27` for 1.27. Panics when missing.
+    pub fn binary(self) -> PathBuf {
+        match self {
+            GiteaVersion::V1_23 => peer_binary("GITEA_BIN", "gitea"),
+            GiteaVersion::V1_27 => peer_binary("GITEA_127_BIN", "gitea-1.27"),
+        }
+    }
+}
+
+/// The release of `GDR_GITEA`, as `GET /api/v1/version` answers it.
+pub fn gitea_version() -> &'static str {
+    GiteaVersion::from_env().release()
+}
 
 /// `$PEERS_CACHE`, default `~/.cache/gitea-dynamic-runner/peers`.
 pub use crate::peers_cache;
@@ -69,9 +130,9 @@ fn peer_binary(env: &str, name: &str) -> PathBuf {
     path
 }
 
-/// The Gitea binary: `$GITEA_BIN`, else `$PEERS_CACHE/bin/gitea`. Panics when missing.
+/// The Gitea binary of `GDR_GITEA` (see [`GiteaVersion::binary`]).
 pub fn gitea_bin() -> PathBuf {
-    peer_binary("GITEA_BIN", "gitea")
+    GiteaVersion::from_env().binary()
 }
 
 /// The real runner: `$GITEA_RUNNER_BIN`, else `$PEERS_CACHE/bin/gitea-runner`. Panics when missing.
@@ -80,9 +141,10 @@ pub fn gitea_runner_bin() -> PathBuf {
 }
 
 /// Gitea's unpacked source tree (templates, locales): `$GITEA_STATIC_ROOT`, else
-/// `$PEERS_CACHE/build/gitea-v1.23.8`. Panics when missing.
+/// `$PEERS_CACHE/build/gitea-v<release>`. Panics when missing.
 pub fn gitea_static_root() -> PathBuf {
-    let path = std::env::var_os("GITEA_STATIC_ROOT").map_or_else(|| peers_cache().join("build").join(format!("gitea-v{GITEA_VERSION}")), PathBuf::from);
+    let path = std::env::var_os("GITEA_STATIC_ROOT")
+        .map_or_else(|| peers_cache().join("build").join(format!("gitea-v{}", GiteaVersion::from_env().release())), PathBuf::from);
     assert!(
         path.join("options/locale").is_dir() && path.join("templates").is_dir(),
         "Gitea's source tree (templates, locales) not found at {}: run scripts/install-test-peers \
@@ -103,11 +165,13 @@ pub struct GiteaOptions {
     /// `"[cron.stop_zombie_tasks]\nSCHEDULE = @every 5s\n"` (the zombie/endless/abandoned
     /// sweeps are cron tasks: `[actions]` only holds their timeouts).
     pub extra_ini: String,
+    /// Which release; default [`GiteaVersion::from_env`].
+    pub version: GiteaVersion,
 }
 
 impl Default for GiteaOptions {
     fn default() -> Self {
-        GiteaOptions { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), actions_settings: Vec::new(), extra_ini: String::new() }
+        GiteaOptions { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), actions_settings: Vec::new(), extra_ini: String::new(), version: GiteaVersion::from_env() }
     }
 }
 
@@ -154,6 +218,14 @@ pub struct TaskInfo {
     pub run_started_at: String,
 }
 
+impl TaskInfo {
+    /// Not finished yet: waiting, blocked, running — or, on Gitea ≥ 1.27, cancelling (a
+    /// cancelled task whose runner has not reported its end yet).
+    pub fn is_open(&self) -> bool {
+        matches!(self.status.as_str(), "waiting" | "running" | "blocked" | "cancelling")
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct TaskPage {
     // Gitea 1.23 names the list `workflow_runs` although the entries are tasks.
@@ -174,6 +246,9 @@ pub struct RunView {
     pub workflow_id: String,
     /// In job-index order (the `{job-index}` of the logs route).
     pub jobs: Vec<RunJob>,
+    /// The step summaries the run shows, rendered (`jobSummaries[].summaryHTML`, Gitea ≥
+    /// 1.27; always empty on 1.23, which has none).
+    pub summaries: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -229,6 +304,7 @@ pub struct Gitea {
     http: reqwest::Client,
     web: tokio::sync::Mutex<Option<WebSession>>,
     bin: PathBuf,
+    version: GiteaVersion,
     // Last: removed only after the process is gone.
     dir: tempfile::TempDir,
 }
@@ -300,8 +376,16 @@ impl Gitea {
     /// with scope `all`.
     pub async fn start(options: GiteaOptions) -> Gitea {
         let started = Instant::now();
-        let bin = gitea_bin();
-        let static_root = gitea_static_root();
+        let bin = options.version.binary();
+        let static_root = std::env::var_os("GITEA_STATIC_ROOT")
+            .filter(|_| options.version == GiteaVersion::from_env())
+            .map_or_else(|| peers_cache().join("build").join(format!("gitea-v{}", options.version.release())), PathBuf::from);
+        assert!(
+            static_root.join("options/locale").is_dir() && static_root.join("templates").is_dir(),
+            "Gitea's source tree (templates, locales) not found at {}: run scripts/install-test-peers (which unpacks it there), or set \
+             GITEA_STATIC_ROOT",
+            static_root.display()
+        );
         let dir = tempfile::Builder::new().prefix("gitea-fixture-").tempdir().expect("create Gitea's temp dir");
         let password = format!("pw-{}", random_hex(12));
         let root = dir.path();
@@ -352,7 +436,7 @@ impl Gitea {
         let mut attempt = 1;
         let child = loop {
             let mut child = spawn_web(&bin, root);
-            match wait_until_up(&http, &url, &mut child, root, Duration::from_secs(60)).await {
+            match wait_until_up(&http, &url, options.version, &mut child, root, Duration::from_secs(60)).await {
                 Ok(()) => break child,
                 // The port was free when picked, but something else took it before Gitea
                 // bound it: pick another.
@@ -365,7 +449,18 @@ impl Gitea {
             }
         };
 
-        let mut gitea = Gitea { child: Some(child), addr, url, password, token: String::new(), http, web: tokio::sync::Mutex::new(None), bin, dir };
+        let mut gitea = Gitea {
+            child: Some(child),
+            addr,
+            url,
+            password,
+            token: String::new(),
+            http,
+            web: tokio::sync::Mutex::new(None),
+            bin,
+            version: options.version,
+            dir,
+        };
         gitea.token = gitea.create_token().await;
         eprintln!(
             "gitea fixture: {} up in {:.1?} (migrate {:.1?}, admin {:.1?}, web {:.1?}; dir {})",
@@ -537,9 +632,43 @@ impl Gitea {
         }
     }
 
+    /// Which release this is.
+    pub fn version(&self) -> GiteaVersion {
+        self.version
+    }
+
+    /// The path of a run's web routes: `/{o}/{r}/actions/runs/{run}`, by its number
+    /// (1.23) or its id (1.27); None when the run does not exist (yet).
+    async fn run_path(&self, repo: &Repo, run_number: i64) -> Option<String> {
+        let run = if self.version.routes_by_id() { self.run_id(repo, run_number).await? } else { run_number };
+        Some(format!("/{}/{}/actions/runs/{run}", repo.owner, repo.name))
+    }
+
+    /// A run's id, from `GET /api/v1/repos/{o}/{r}/actions/runs` (Gitea ≥ 1.24).
+    async fn run_id(&self, repo: &Repo, run_number: i64) -> Option<i64> {
+        for page in 1..=20 {
+            let resp = self
+                .api(reqwest::Method::GET, &format!("/repos/{}/{}/actions/runs?page={page}&limit=50", repo.owner, repo.name))
+                .send()
+                .await
+                .expect("GET actions/runs");
+            let body = self.expect_status(resp, &[200], "list the runs").await;
+            let runs = body["workflow_runs"].as_array().cloned().unwrap_or_default();
+            if let Some(run) = runs.iter().find(|run| run["run_number"].as_i64() == Some(run_number)) {
+                return run["id"].as_i64();
+            }
+            if runs.len() < 50 {
+                return None;
+            }
+        }
+        None
+    }
+
     /// The run as the web UI shows it, or None when it does not exist (yet).
     pub async fn run(&self, repo: &Repo, run_number: i64) -> Option<RunView> {
-        let path = format!("/{}/{}/actions/runs/{run_number}/jobs/0", repo.owner, repo.name);
+        let run = self.run_path(repo, run_number).await?;
+        // 1.23 views a run through its first job; 1.27 has a run-level view.
+        let path = if self.version.routes_by_id() { run } else { format!("{run}/jobs/0") };
         let resp = self.web_post(&path, Some(serde_json::json!({ "logCursors": [] }))).await;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
             return None;
@@ -557,6 +686,7 @@ impl Gitea {
                 .as_array()
                 .map(|jobs| jobs.iter().map(|j| RunJob { id: j["id"].as_i64().unwrap_or_default(), name: s(&j["name"]), status: s(&j["status"]) }).collect())
                 .unwrap_or_default(),
+            summaries: run["jobSummaries"].as_array().map(|all| all.iter().map(|summary| s(&summary["summaryHTML"])).collect()).unwrap_or_default(),
         })
     }
 
@@ -594,13 +724,34 @@ impl Gitea {
     /// # Errors
     /// The route's status and body.
     pub async fn try_job_log(&self, repo: &Repo, run_number: i64, job_index: usize) -> Result<String, String> {
-        let path = format!("/{}/{}/actions/runs/{run_number}/jobs/{job_index}/logs", repo.owner, repo.name);
+        let path = self.job_log_path(repo, run_number, job_index).await?;
         let cookies = self.session().await;
         let resp =
             self.http.get(format!("{}{path}", self.url)).header(reqwest::header::COOKIE, cookies).send().await.unwrap_or_else(|e| panic!("GET {path}: {e}"));
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
         if status.is_success() { Ok(text) } else { Err(format!("GET {path}: HTTP {status}: {text}")) }
+    }
+
+    /// The web route of a job's log: by run number and job index (1.23), by ids (1.27).
+    ///
+    /// # Errors
+    /// When the run or the job does not exist (yet).
+    pub async fn job_log_path(&self, repo: &Repo, run_number: i64, job_index: usize) -> Result<String, String> {
+        let run = self.run_path(repo, run_number).await.ok_or_else(|| format!("run {run_number} of {} does not exist", repo.full_name()))?;
+        let job = if self.version.routes_by_id() {
+            let view = self.run(repo, run_number).await.ok_or_else(|| format!("run {run_number} has no view"))?;
+            view.jobs.get(job_index).map(|job| job.id).ok_or_else(|| format!("run {run_number} has no job {job_index}: {view:?}"))?
+        } else {
+            i64::try_from(job_index).unwrap_or(i64::MAX)
+        };
+        Ok(format!("{run}/jobs/{job}/logs"))
+    }
+
+    /// The web route of a run: by its number (1.23) or its id (1.27); None when it does
+    /// not exist (yet).
+    pub async fn run_route(&self, repo: &Repo, run_number: i64) -> Option<String> {
+        self.run_path(repo, run_number).await
     }
 
     /// Waits (up to 120 s) until job `job_index` of run `run_number` has logged `needle`.
@@ -620,7 +771,8 @@ impl Gitea {
     /// `POST /{o}/{r}/actions/runs/{run}/cancel` with a signed-in session cookie and its
     /// CSRF token in `X-Csrf-Token` (basic auth is not accepted on web routes).
     pub async fn cancel_run(&self, repo: &Repo, run_number: i64) {
-        let path = format!("/{}/{}/actions/runs/{run_number}/cancel", repo.owner, repo.name);
+        let run = self.run_path(repo, run_number).await.unwrap_or_else(|| panic!("run {run_number} of {} does not exist", repo.full_name()));
+        let path = format!("{run}/cancel");
         let resp = self.web_post(&path, None).await;
         self.expect_status(resp, &[200], &format!("POST {path}")).await;
     }
@@ -642,7 +794,9 @@ impl Gitea {
             let status = resp.status();
             let location = resp.headers().get(reqwest::header::LOCATION).and_then(|l| l.to_str().ok()).unwrap_or("").to_owned();
             assert!(
-                status == reqwest::StatusCode::SEE_OTHER && session.cookies.contains_key("i_like_gitea") && !session.csrf().is_empty(),
+                status == reqwest::StatusCode::SEE_OTHER
+                    && session.cookies.contains_key("i_like_gitea")
+                    && (self.version.routes_by_id() || !session.csrf().is_empty()),
                 "web sign-in failed: HTTP {status} (location {location:?}), cookies {:?}\n{}",
                 session.cookies.keys().collect::<Vec<_>>(),
                 self.log_tail(20)
@@ -853,7 +1007,7 @@ fn spawn_web(bin: &Path, root: &Path) -> Child {
 
 /// Waits until `GET /api/v1/version` answers 1.23.8. `Err(log tail)` when the process
 /// exited or could not listen (then killed); panics (after killing it) on timeout.
-async fn wait_until_up(http: &reqwest::Client, url: &str, child: &mut Child, root: &Path, timeout: Duration) -> Result<(), String> {
+async fn wait_until_up(http: &reqwest::Client, url: &str, version: GiteaVersion, child: &mut Child, root: &Path, timeout: Duration) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     let version_url = format!("{url}/api/v1/version");
     let log = || {
@@ -870,7 +1024,7 @@ async fn wait_until_up(http: &reqwest::Client, url: &str, child: &mut Child, roo
             && resp.status().is_success()
         {
             let body: serde_json::Value = resp.json().await.expect("version JSON");
-            assert_eq!(body["version"], GITEA_VERSION, "unexpected Gitea version at {version_url}");
+            assert_eq!(body["version"], version.release(), "unexpected Gitea version at {version_url}");
             return Ok(());
         }
         // Gitea does not exit when it cannot listen: it logs the error and idles.
