@@ -210,7 +210,23 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
     let mut tasks = tokio::task::JoinSet::new();
 
     let listener = tokio::net::TcpListener::bind(&config.http.listen).await.with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
-    tasks.spawn(named("metrics", crate::metrics::serve(listener, Arc::clone(&metrics), shutdown.clone())));
+    let wake = crate::scheduler::wake::Wake::default();
+    let hooks = match &config.gitea.webhook_secret_file {
+        Some(path) => {
+            let secret = std::fs::read_to_string(path).with_context(|| format!("gitea.webhook_secret_file: cannot read {}", path.display()))?;
+            let secret = secret.trim();
+            anyhow::ensure!(
+                secret.len() >= 16,
+                "gitea.webhook_secret_file: {} holds {} characters; use at least 16 (e.g. openssl rand -hex 32), the same as the webhook's secret in Gitea",
+                path.display(),
+                secret.len()
+            );
+            tracing::info!(listen = %config.http.listen, "taking Gitea's workflow_job webhook at POST /hooks/gitea");
+            Some((crate::scheduler::wake::Webhook::new(secret.as_bytes()), wake.clone()))
+        }
+        None => None,
+    };
+    tasks.spawn(named("metrics", crate::metrics::serve(listener, Arc::clone(&metrics), hooks, shutdown.clone())));
 
     let store = match store {
         Some(store) => store,
@@ -331,6 +347,7 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
             let scheduler = Arc::new(
                 Scheduler::new(placement, gitea, Arc::clone(&store), placements.clone(), scheduler_config.clone())
                     .with_metrics(Arc::clone(&metrics))
+                    .with_wake(wake.clone())
                     .with_lease_ttl(config.gitea.lease_ttl),
             );
             tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));

@@ -61,6 +61,10 @@ pub struct GiteaConfig {
     pub legacy_labels: bool,
     #[serde(default = "default_fetch_interval", with = "duration")]
     pub fetch_interval: Duration,
+    /// The secret of Gitea's `workflow_job` webhook (Gitea ≥ 1.24), in a file: with it,
+    /// `POST /hooks/gitea` on `http.listen` takes signed deliveries and a queued job is
+    /// fetched at once instead of at the next poll (which stays as the fallback).
+    pub webhook_secret_file: Option<PathBuf>,
     /// How long one FetchTask may take (gitea-runner's `fetch_timeout`). A reply that
     /// comes later is lost with any task in it, so keep it well above Gitea's response
     /// time under load.

@@ -1,5 +1,6 @@
 //! Operability: Prometheus metrics, `/healthz` and `/readyz` on one small HTTP
-//! listener.
+//! listener — which also takes Gitea's `workflow_job` webhook at `POST /hooks/gitea`
+//! when one is configured (see [`crate::scheduler::wake`]).
 //!
 //! - `/healthz` fails when a loop that must keep turning (fetch loops, workers, sweeps)
 //!   has not reported for [`STALLED_AFTER`]: a process whose scheduling is stuck gets
@@ -53,6 +54,8 @@ pub struct Metrics {
     /// Seconds from persisted to claimed.
     pub claim_latency: Histogram,
     pub errors: Family<KindLabel, Counter>,
+    /// Gitea's webhook deliveries by outcome (`queued`, `ignored`, `bad_signature`, `malformed`).
+    pub webhook_deliveries: Family<KindLabel, Counter>,
     /// 1 while a placement's registration fetches, 0 once Gitea no longer knows it.
     pub placement_fetching: Family<PlacementLabel, Gauge>,
     ready: AtomicBool,
@@ -88,6 +91,7 @@ impl Metrics {
         let job_startup = Histogram::new(buckets);
         let claim_latency = Histogram::new(buckets);
         let errors = Family::<KindLabel, Counter>::default();
+        let webhook_deliveries = Family::<KindLabel, Counter>::default();
         let placement_fetching = Family::<PlacementLabel, Gauge>::default();
         registry.register(
             "placement_fetching",
@@ -102,6 +106,7 @@ impl Metrics {
         registry.register("job_startup_seconds", "From FetchTask to gitea-runner started", job_startup.clone());
         registry.register("claim_latency_seconds", "From persisted to claimed", claim_latency.clone());
         registry.register("errors", "Errors by kind", errors.clone());
+        registry.register("webhook_deliveries", "Gitea webhook deliveries by outcome (queued: the fetch loops were woken)", webhook_deliveries.clone());
         Metrics {
             registry,
             queue_depth,
@@ -112,6 +117,7 @@ impl Metrics {
             job_startup,
             claim_latency,
             errors,
+            webhook_deliveries,
             placement_fetching,
             ready: AtomicBool::new(false),
             placements: Mutex::new(BTreeMap::new()),
@@ -190,23 +196,32 @@ impl Metrics {
     }
 }
 
+/// Gitea's webhook, where one is configured: its secret and whom it wakes.
+pub type Hooks = Option<(crate::scheduler::wake::Webhook, crate::scheduler::wake::Wake)>;
+
 /// Serves `/metrics`, `/healthz` (alive) and `/readyz` (registered with Gitea and the
-/// store reachable) until `shutdown`.
+/// store reachable), and `POST /hooks/gitea` with `hooks`, until `shutdown`.
 ///
 /// # Errors
 /// When accepting fails for good.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, shutdown: CancellationToken) -> std::io::Result<()> {
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, hooks: Hooks, shutdown: CancellationToken) -> std::io::Result<()> {
     let mut connections = tokio::task::JoinSet::new();
+    let hooks = Arc::new(hooks);
     loop {
         let (stream, _) = tokio::select! {
             () = shutdown.cancelled() => break,
             accepted = listener.accept() => accepted?,
         };
-        let metrics = Arc::clone(&metrics);
+        let (metrics, hooks) = (Arc::clone(&metrics), Arc::clone(&hooks));
         connections.spawn(async move {
             let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
-                let metrics = Arc::clone(&metrics);
-                async move { Ok::<_, Infallible>(answer(request.uri().path(), &metrics)) }
+                let (metrics, hooks) = (Arc::clone(&metrics), Arc::clone(&hooks));
+                async move {
+                    if request.uri().path() == "/hooks/gitea" {
+                        return Ok::<_, Infallible>(hook(request, &hooks, &metrics).await);
+                    }
+                    Ok::<_, Infallible>(answer(request.uri().path(), &metrics))
+                }
             });
             let _ = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
         });
@@ -214,6 +229,52 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, shu
     }
     connections.shutdown().await;
     Ok(())
+}
+
+/// `POST /hooks/gitea`: a signed `workflow_job` "queued" wakes the fetch loops.
+async fn hook(request: http::Request<hyper::body::Incoming>, hooks: &Hooks, metrics: &Metrics) -> http::Response<Full<Bytes>> {
+    use crate::scheduler::wake::{Delivery, MAX_BODY};
+    use http_body_util::BodyExt as _;
+    let Some((webhook, wake)) = hooks else {
+        return respond(404, "no webhook is configured here: set gitea.webhook_secret_file\n".to_owned());
+    };
+    if request.method() != http::Method::POST {
+        return respond(405, "POST Gitea's webhook deliveries here\n".to_owned());
+    }
+    let header = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let (signature, event) = (header("x-gitea-signature"), header("x-gitea-event"));
+    let Ok(body) = http_body_util::Limited::new(request.into_body(), MAX_BODY).collect().await.map(http_body_util::Collected::to_bytes) else {
+        return respond(413, format!("a delivery is at most {MAX_BODY} bytes\n"));
+    };
+    let delivery = webhook.judge(signature.as_deref(), event.as_deref(), &body);
+    let outcome = match delivery {
+        Delivery::Queued => "queued",
+        Delivery::Ignored => "ignored",
+        Delivery::BadSignature => "bad_signature",
+        Delivery::Malformed => "malformed",
+    };
+    metrics.webhook_deliveries.get_or_create(&KindLabel { kind: outcome.to_owned() }).inc();
+    match delivery {
+        Delivery::Queued => {
+            wake.wake();
+            respond(200, "fetching\n".to_owned())
+        }
+        Delivery::Ignored => respond(200, "nothing to do\n".to_owned()),
+        Delivery::BadSignature => {
+            tracing::warn!(
+                "a webhook delivery without a valid X-Gitea-Signature was refused: check that Gitea's webhook secret is gitea.webhook_secret_file's"
+            );
+            respond(401, "the signature does not match the shared secret\n".to_owned())
+        }
+        Delivery::Malformed => respond(400, "the body is not a JSON object\n".to_owned()),
+    }
+}
+
+fn respond(status: u16, body: String) -> http::Response<Full<Bytes>> {
+    let mut response = http::Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::OK);
+    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain"));
+    response
 }
 
 fn answer(path: &str, metrics: &Metrics) -> http::Response<Full<Bytes>> {

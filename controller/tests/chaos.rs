@@ -114,12 +114,8 @@ impl Drop for Replica {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn replica(dir: &Path, name: &'static str, gitea: &FakeGitea, nats: &str, envs: &Environments) -> Replica {
-    let port = free_port();
+    let port = testkit::free_local_port();
     let config = dir.join(format!("controller-{name}.toml"));
     std::fs::write(
         &config,

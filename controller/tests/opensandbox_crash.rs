@@ -32,10 +32,6 @@ use testkit::{nats::NatsServer, opensandbox::OpenSandbox, spire::SpireServer};
 
 const IMAGE: &str = "gdr-sandbox:test";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 struct Stop(Child);
 
 impl Drop for Stop {
@@ -71,8 +67,8 @@ async fn killed_between_create_and_record_keeps_exactly_one_sandbox() {
     std::fs::write(d.join("registration-token"), REGISTRATION_TOKEN).unwrap();
     std::fs::write(d.join("capability.key"), "0123456789abcdef0123456789abcdef-sandbox-crash\n").unwrap();
     std::fs::set_permissions(d.join("capability.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
-    let facade = format!("127.0.0.1:{}", free_port());
-    let metrics = format!("127.0.0.1:{}", free_port());
+    let facade = format!("127.0.0.1:{}", testkit::free_local_port());
+    let metrics = format!("127.0.0.1:{}", testkit::free_local_port());
     let config = d.join("controller.toml");
     std::fs::write(
         &config,

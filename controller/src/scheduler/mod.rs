@@ -12,6 +12,7 @@
 //! [`keepalive`] reports for assignments nobody reports on yet.
 
 pub mod keepalive;
+pub mod wake;
 
 use std::{
     sync::{
@@ -85,6 +86,8 @@ pub struct Scheduler {
     leading_until: std::sync::Mutex<Option<tokio::time::Instant>>,
     /// One renewal at a time among this scheduler's loops.
     renewing: tokio::sync::Mutex<()>,
+    /// Gitea's "a job was queued" (webhook): idle loops fetch at once.
+    wake: Option<wake::Wake>,
 }
 
 impl Scheduler {
@@ -103,7 +106,14 @@ impl Scheduler {
             lease_ttl: LEASE_TTL,
             leading_until: std::sync::Mutex::new(None),
             renewing: tokio::sync::Mutex::new(()),
+            wake: None,
         }
+    }
+
+    /// Idle loops fetch at once when `wake` fires (Gitea's `workflow_job` webhook).
+    pub fn with_wake(mut self, wake: wake::Wake) -> Self {
+        self.wake = Some(wake);
+        self
     }
 
     pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
@@ -291,12 +301,16 @@ impl Scheduler {
 
     async fn fetch_loop(&self, index: usize, shutdown: CancellationToken) -> Result<(), GiteaError> {
         let mut failures = 0u32;
+        let mut wakes = self.wake.as_ref().map(wake::Wake::subscribe);
         while !shutdown.is_cancelled() {
             self.beat(index);
             if !self.lead(index, &shutdown).await {
                 return Ok(());
             }
             let Some(ticket) = self.reserve(index, &shutdown).await else { return Ok(()) };
+            if let Some(wakes) = &mut wakes {
+                wakes.borrow_and_update();
+            }
             let version = self.tasks_version.load(Ordering::SeqCst);
             // Not cut short at shutdown: Gitea may have committed a task to this reply,
             // which is then ours alone; the call is bounded by fetch_timeout, and a task
@@ -315,7 +329,7 @@ impl Scheduler {
                         }
                         None => {
                             drop(ticket);
-                            sleep_or_stop(self.config.fetch_interval, &shutdown).await;
+                            idle(self.config.fetch_interval, wakes.as_mut(), &shutdown).await;
                         }
                     }
                 }
@@ -447,6 +461,17 @@ impl Scheduler {
         if let Some(observer) = &self.observer {
             let _ = observer.send(outcome);
         }
+    }
+}
+
+/// After an empty fetch: the poll interval, cut short by a wake (one that came during
+/// the fetch included).
+async fn idle(interval: Duration, wakes: Option<&mut tokio::sync::watch::Receiver<u64>>, shutdown: &CancellationToken) {
+    let Some(wakes) = wakes else { return sleep_or_stop(interval, shutdown).await };
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        () = tokio::time::sleep(interval) => {}
+        _ = wakes.changed() => tracing::debug!("Gitea queued a job: fetching now"),
     }
 }
 

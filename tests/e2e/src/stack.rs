@@ -30,6 +30,8 @@ pub struct Options {
     /// Where the facade makes each docker environment's socket; default in the state dir.
     pub socket_dir: Option<PathBuf>,
     pub extra_gitea: String,
+    /// `gitea.fetch_interval` (default 300 ms).
+    pub fetch_interval: String,
     /// More `[docker]` settings (TOML lines).
     pub docker_extra: String,
     /// The capability key written into a new state directory (two installations have two).
@@ -160,6 +162,7 @@ impl Options {
             state_dir: None,
             socket_dir: None,
             extra_gitea: String::new(),
+            fetch_interval: "300ms".into(),
             docker_extra: String::new(),
             job_dockerd: true,
             http_listen: "127.0.0.1:0".into(),
@@ -299,7 +302,7 @@ url = "{gitea}"
 {environment_url}registration_token_file = "{dir}/registration-token"
 credential_dir = "{dir}/runners"
 runner_name = "e2e"
-fetch_interval = "300ms"
+fetch_interval = "{fetch_interval}"
 reconcile_interval = "2s"
 {extra}
 
@@ -324,6 +327,7 @@ capacity = {capacity}
             gitea = options.gitea_url,
             dir = dir.display(),
             extra = options.extra_gitea,
+            fetch_interval = options.fetch_interval,
             capacity = options.capacity,
             http_listen = options.http_listen,
         );

@@ -417,3 +417,62 @@ async fn a_job_for_another_runner_is_left_waiting_in_gitea() {
     environments_gone(&controller).await;
     controller.stop().await;
 }
+
+const QUICK: &str = r#"name: quick
+on: push
+jobs:
+  quick:
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: echo "picked"
+"#;
+
+/// Gitea ≥ 1.24 says when a job is queued (the `workflow_job` webhook): with it the
+/// controller fetches at once instead of at its next poll. With a 30 s poll, on 1.27 the
+/// job is picked within seconds and the delivery is counted as having woken the fetch
+/// loops; on 1.23, which has no such event, the poll still picks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_job_is_fetched_at_once_when_gitea_says_so() {
+    const SECRET: &str = "webhook-secret-0123456789abcdef";
+    const POLL: Duration = Duration::from_secs(30);
+    let _turn = e2e::exclusive().await;
+    let docker = host();
+    let image = docker.image("gitea-runner");
+    // Gitea delivers to loopback only where allowed (1.27 reads the old [webhook] key too).
+    let ini = "[webhook]\nALLOWED_HOST_LIST = loopback\n".to_owned();
+    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), extra_ini: ini, ..GiteaOptions::default() }).await;
+    let repo = gitea.create_repo("webhook").await;
+    let token = gitea.runner_registration_token().await;
+    let secret_dir = tempfile::tempdir().unwrap();
+    let secret_file = secret_dir.path().join("webhook-secret");
+    std::fs::write(&secret_file, format!("{SECRET}\n")).unwrap();
+    let port = testkit::free_local_port();
+    let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
+    options.fetch_interval = format!("{}s", POLL.as_secs());
+    options.http_listen = format!("127.0.0.1:{port}");
+    options.extra_gitea = format!("webhook_secret_file = \"{}\"", secret_file.display());
+    let _controller = Controller::start(options).await;
+    gitea.add_webhook(&repo, &format!("http://127.0.0.1:{port}/hooks/gitea"), SECRET, &["workflow_job"]).await;
+    // The fetch loops' first (empty) fetch is behind them: they sit in their 30 s poll.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let committed = Instant::now();
+    gitea.commit_workflow(&repo, "quick.yml", QUICK).await;
+    gitea.wait_for_tasks(&repo, POLL * 2, |tasks| !tasks.is_empty()).await;
+    let picked = committed.elapsed();
+    let (_, metrics) = testkit::http_get(&format!("http://127.0.0.1:{port}/metrics")).await;
+    let woken = metrics.lines().any(|l| l.starts_with("gdr_webhook_deliveries_total{kind=\"queued\"}"));
+    eprintln!("Gitea {}: commit → picked {picked:.1?} with a {POLL:?} poll; webhook woke the fetch loops: {woken}", gitea.version().release());
+    match gitea.version() {
+        GiteaVersion::V1_27 => {
+            assert!(woken, "no queued delivery reached the controller:\n{metrics}");
+            assert!(picked < Duration::from_secs(10), "picked after {picked:?}: the webhook did not cut the poll short");
+        }
+        GiteaVersion::V1_23 => {
+            assert!(!woken, "Gitea 1.23 has no workflow_job event:\n{metrics}");
+            assert!(picked < POLL + Duration::from_secs(10), "the poll, the fallback, picked it after {picked:?}");
+        }
+    }
+    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(120), |t| finished(t, 1)).await;
+    assert_eq!(status_of(&tasks, "quick"), "success", "{tasks:?}");
+}

@@ -56,7 +56,7 @@ use std::{
     collections::BTreeMap,
     fmt::Write as _,
     io::Read as _,
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Child, Stdio},
@@ -362,7 +362,7 @@ fn tail_of(path: &Path, lines: usize) -> Option<String> {
     Some(all[all.len().saturating_sub(lines)..].join("\n"))
 }
 
-fn http_client() -> reqwest::Client {
+pub(crate) fn http_client() -> reqwest::Client {
     // reqwest is built with `rustls-no-provider`: it needs a process-wide provider even
     // for plain-http clients (the builder sets up TLS eagerly). Another test may have
     // installed one already; either is fine.
@@ -402,7 +402,7 @@ impl Gitea {
             std::fs::write(root.join("app.ini"), ini).expect("write app.ini");
             (addr, url)
         };
-        let (mut addr, mut url) = write_ini(free_port(options.bind));
+        let (mut addr, mut url) = write_ini(crate::free_port(options.bind));
 
         let gitea = |args: &[&str]| {
             let mut cmd = tokio::process::Command::new(&bin);
@@ -443,7 +443,7 @@ impl Gitea {
                 Err(log) if attempt < 3 && log.contains("bind: address already in use") => {
                     attempt += 1;
                     let _ = std::fs::remove_file(root.join("log/gitea.log"));
-                    (addr, url) = write_ini(free_port(options.bind));
+                    (addr, url) = write_ini(crate::free_port(options.bind));
                 }
                 Err(log) => panic!("gitea web exited during start-up\n{log}"),
             }
@@ -558,6 +558,21 @@ impl Gitea {
         let token = stdout.lines().map(str::trim).rfind(|l| !l.is_empty()).unwrap_or_default().to_owned();
         assert!(!token.is_empty() && token.chars().all(|c| c.is_ascii_alphanumeric()), "unexpected output of generate-runner-token: {stdout:?}");
         token
+    }
+
+    /// A webhook of `repo` for `events` (e.g. `workflow_job`, Gitea ≥ 1.24) to `url`,
+    /// signed with `secret`, JSON bodies. Gitea delivers to loopback and private
+    /// addresses only where `[webhook] ALLOWED_HOST_LIST` allows them (the fixture's
+    /// `extra_ini`).
+    pub async fn add_webhook(&self, repo: &Repo, url: &str, secret: &str, events: &[&str]) {
+        let body = serde_json::json!({
+            "type": "gitea",
+            "config": { "url": url, "content_type": "json", "secret": secret },
+            "events": events,
+            "active": true,
+        });
+        let resp = self.api(reqwest::Method::POST, &format!("/repos/{}/{}/hooks", repo.owner, repo.name)).json(&body).send().await.expect("POST hooks");
+        self.expect_status(resp, &[201], "create the webhook").await;
     }
 
     /// Creates or updates `.gitea/workflows/<file>` on `main` through the contents API and
@@ -981,10 +996,6 @@ DEFAULT_ACTIONS_URL = self
         internal = random_hex(32),
         extra = options.extra_ini,
     )
-}
-
-fn free_port(bind: IpAddr) -> u16 {
-    TcpListener::bind((bind, 0)).and_then(|l| l.local_addr()).unwrap_or_else(|e| panic!("no free port on {bind}: {e}")).port()
 }
 
 fn spawn_web(bin: &Path, root: &Path) -> Child {

@@ -5,7 +5,7 @@
 //! - [`fake_gitea`]: a fake Gitea runner API that follows the protocol reference.
 //! - [`fault_proxy`]: a proxy in front of the real Gitea that answers 401/503 on demand.
 //! - [`nats`]: a real nats-server with JetStream.
-//! - [`gitea`]: a REAL Gitea 1.23.8 server (built from pinned upstream sources by scripts/install-test-peers).
+//! - [`gitea`]: a REAL Gitea server, 1.23.8 or 1.27.3 (built from pinned upstream sources by scripts/install-test-peers).
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
 //! - [`spire`]: a REAL SPIRE server and agent.
 
@@ -20,6 +20,24 @@ pub mod spire;
 pub mod workload;
 
 use std::{path::PathBuf, time::Duration};
+
+/// A port free on `ip` now (the OS's pick; something else may take it before the caller
+/// binds it — callers that must not race retry, as the Gitea fixture does).
+pub fn free_port(ip: std::net::IpAddr) -> u16 {
+    std::net::TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).unwrap_or_else(|e| panic!("no free port on {ip}: {e}")).port()
+}
+
+/// `GET url`: the status and the body as text (a controller's `/metrics`, …); panics
+/// when nothing answers.
+pub async fn http_get(url: &str) -> (u16, String) {
+    let response = gitea::http_client().get(url).send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    (response.status().as_u16(), response.text().await.unwrap_or_default())
+}
+
+/// [`free_port`] on 127.0.0.1.
+pub fn free_local_port() -> u16 {
+    free_port(std::net::Ipv4Addr::LOCALHOST.into())
+}
 
 /// Where `scripts/install-test-peers` keeps the peers: `$PEERS_CACHE`, default
 /// `~/.cache/gitea-dynamic-runner/peers`.

@@ -80,7 +80,7 @@ impl OpenSandbox {
         let dir = tempfile::Builder::new().prefix("gdr-opensandbox-").tempdir().unwrap();
         let api_key = format!("gdr-test-{:016x}", fastrand_u64());
         std::fs::write(dir.path().join("api-key"), &api_key).unwrap();
-        let mut server = OpenSandbox { child: None, dir, port: free_port(), docker_host: docker_host.to_owned(), api_key, binds: binds.to_vec() };
+        let mut server = OpenSandbox { child: None, dir, port: crate::free_local_port(), docker_host: docker_host.to_owned(), api_key, binds: binds.to_vec() };
         server.write_config();
         server.spawn();
         server
@@ -195,10 +195,6 @@ impl Drop for OpenSandbox {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// A random-enough number for a test API key (no extra dependency for one value).

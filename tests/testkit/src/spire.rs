@@ -27,10 +27,6 @@ impl Drop for SpireServer {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn until_ok(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !f() {
@@ -43,7 +39,7 @@ impl SpireServer {
     pub fn start(trust_domain: &str) -> SpireServer {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        let port = free_port();
+        let port = crate::free_local_port();
         std::fs::write(
             d.join("server.conf"),
             format!(
