@@ -96,12 +96,18 @@ async fn bench(name: &str, store: &dyn Store, history: u64) -> BenchResult<()> {
 
 fn main() -> BenchResult<()> {
     let history: u64 = std::env::var("BENCH_HISTORY").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
+    // BENCH_STORES: `embedded`, `jetstream` or both (default).
+    let stores = std::env::var("BENCH_STORES").unwrap_or_else(|_| "embedded,jetstream".into());
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(async {
-        let dir = tempfile::tempdir()?;
-        let embedded = Embedded::open(&dir.path().join("store.redb"))?;
-        bench("embedded (redb)", &embedded, history).await?;
-        drop(embedded);
+        if stores.contains("embedded") {
+            let dir = tempfile::tempdir()?;
+            let embedded = Embedded::open(&dir.path().join("store.redb"))?;
+            bench("embedded (redb)", &embedded, history).await?;
+        }
+        if !stores.contains("jetstream") {
+            return Ok(());
+        }
         let server = nats::NatsServer::start();
         let jetstream = JetStream::connect(&server.url, "ci.assignments", "ci-assignments", Duration::from_secs(30)).await?;
         bench("jetstream (nats-server)", &jetstream, history).await
