@@ -202,6 +202,9 @@ async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str,
 }
 
 fn print_rows(rows: &BTreeMap<&str, Vec<i64>>) {
+    if rows.is_empty() {
+        println!("  (not measured: GDR_BENCH_PLACEMENTS)");
+    }
     for (name, values) in rows {
         println!("  {name:<42} {:>6}   (all: {values:?})", median(values.clone()));
     }
@@ -210,6 +213,9 @@ fn print_rows(rows: &BTreeMap<&str, Vec<i64>>) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let runs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
+    // GDR_BENCH_PLACEMENTS=docker,vm,kubernetes (default: all three); the plain runner always.
+    let chosen = std::env::var("GDR_BENCH_PLACEMENTS").ok();
+    let wants = |placement: &str| chosen.as_deref().is_none_or(|list| list.split(',').any(|p| p.trim() == placement));
     let docker = host();
     let image = docker.image("gitea-runner");
     let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
@@ -218,26 +224,33 @@ async fn main() {
     // The controller: capacity 1, polling every second like the plain runner below.
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.capacity = 1;
-    let rows = measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs, Watch::Docker).await;
+    let rows =
+        if wants("docker") { measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs, Watch::Docker).await } else { BTreeMap::new() };
 
     // vm.opensandbox: the real opensandbox-server (Docker runtime) on the same host; the
     // sandbox is unprivileged there, so without the job-local dockerd.
-    let server = tokio::task::block_in_place(|| testkit::opensandbox::OpenSandbox::start(&docker.url(), &image));
-    options.opensandbox = Some(e2e::stack::SandboxOptions::on_host(&server, docker));
-    let vm_rows = measure(&gitea, options.clone(), "bench-vm", "disposable, vm", runs, Watch::Docker).await;
-    drop(server);
+    let mut vm_rows = BTreeMap::new();
+    if wants("vm") {
+        let server = tokio::task::block_in_place(|| testkit::opensandbox::OpenSandbox::start(&docker.url(), &image));
+        options.opensandbox = Some(e2e::stack::SandboxOptions::on_host(&server, docker));
+        vm_rows = measure(&gitea, options.clone(), "bench-vm", "disposable, vm", runs, Watch::Docker).await;
+        drop(server);
+    }
 
     // container.kubernetes: Pods of the real single-node cluster reach the host on their
     // bridge only, so a Gitea there.
-    let cluster = tokio::task::block_in_place(e2e::kubernetes::cluster);
-    let pod_image = tokio::task::block_in_place(|| cluster.image("gitea-runner"));
-    let namespace = tokio::task::block_in_place(|| cluster.namespace("gdr-bench"));
-    let pod_gitea = Gitea::start(GiteaOptions { bind: e2e::kubernetes::Cluster::HOST_IP.into(), ..GiteaOptions::default() }).await;
-    let pod_token = pod_gitea.runner_registration_token().await;
-    let mut pod_options = Options::new(&pod_gitea.url(), &pod_token, &pod_image, &docker.socket);
-    pod_options.capacity = 1;
-    pod_options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));
-    let pod_rows = measure(&pod_gitea, pod_options, "bench-pod", "disposable, container, kubernetes", runs, Watch::Pods(namespace)).await;
+    let mut pod_rows = BTreeMap::new();
+    if wants("kubernetes") {
+        let cluster = tokio::task::block_in_place(e2e::kubernetes::cluster);
+        let pod_image = tokio::task::block_in_place(|| cluster.image("gitea-runner"));
+        let namespace = tokio::task::block_in_place(|| cluster.namespace("gdr-bench"));
+        let pod_gitea = Gitea::start(GiteaOptions { bind: e2e::kubernetes::Cluster::HOST_IP.into(), ..GiteaOptions::default() }).await;
+        let pod_token = pod_gitea.runner_registration_token().await;
+        let mut pod_options = Options::new(&pod_gitea.url(), &pod_token, &pod_image, &docker.socket);
+        pod_options.capacity = 1;
+        pod_options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));
+        pod_rows = measure(&pod_gitea, pod_options, "bench-pod", "disposable, container, kubernetes", runs, Watch::Pods(namespace)).await;
+    }
 
     // A plain gitea-runner on the host, same Gitea, same job.
     let plain_dir = tempfile::tempdir().unwrap();
@@ -272,7 +285,7 @@ async fn main() {
         plain_rows.entry("task received → first step").or_default().push(first_step - received);
         plain_rows.entry("commit → first step").or_default().push(first_step - committed);
     }
-    println!("{runs} jobs each; medians in ms (2 cores, the Docker host and Gitea on this machine)");
+    println!("{runs} jobs each; medians in ms (2 cores, the Docker host and Gitea {} on this machine)", gitea.version().release());
     println!("gitea-dynamic-runner (container.docker, gitea-runner v3.3.0 in the image, dockerd on loop-backed ext4):");
     print_rows(&rows);
     println!("gitea-dynamic-runner (vm.opensandbox via opensandbox-server 1.1.1, Docker runtime, no job-local dockerd):");

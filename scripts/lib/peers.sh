@@ -1,0 +1,48 @@
+# shellcheck shell=bash
+# Shared by scripts/install-job-deps and scripts/install-test-peers (sourced): pinned
+# Debian packages and the peers built from pinned upstream sources. The caller sets
+# `set -euo pipefail`, PEERS_CACHE, and `me` (its name, for messages).
+
+fail() { echo "${me:?the sourcing script sets me}: $*" >&2; exit 1; }
+step() { echo "==> $*"; }
+
+# install_debs NAME=VERSION…: installs what is missing or at another version, then prints
+# each as a "peer deb" line.
+install_debs() {
+  local spec name want have missing=()
+  for spec in "$@"; do
+    name=${spec%%=*} want=${spec#*=}
+    have=$(dpkg-query -W -f='${Version}' "$name" 2>/dev/null || true)
+    [ "$have" = "$want" ] || missing+=("$spec")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    [ "$(id -u)" = 0 ] || fail "need root to apt-get install ${missing[*]}"
+    apt-get update -qq || fail "apt-get update failed"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || fail "apt-get install ${missing[*]} failed"
+  fi
+  for spec in "$@"; do
+    name=${spec%%=*}
+    echo "peer deb $name $(dpkg-query -W -f='${Version}' "$name")"
+  done
+}
+
+# build_peer NAME…: builds each with the test-peer builder, which keeps it by the hash of
+# its pinned sources and links $PEERS_CACHE/bin/NAME to it. The Go module proxy refuses
+# gitea.com/gitea/runner and act_runner, so these come from unmodified upstream source
+# snapshots kept beside the repository (../shared/peers/build); a clone elsewhere finds the
+# builder through PEERS_BUILD or at its place on this machine.
+build_peer() {
+  local here candidate peers_build=${PEERS_BUILD:-} peer line
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  for candidate in "$here/../../shared/peers/build" /work/shared/peers/build; do
+    [ -n "$peers_build" ] && break
+    [ -x "$candidate" ] && peers_build=$candidate
+  done
+  { [ -n "$peers_build" ] && [ -x "$peers_build" ]; } || fail "the test-peer builder (shared/peers/build) is not beside the repository nor at /work/shared: set PEERS_BUILD"
+  for peer in "$@"; do
+    line=$("$peers_build" "$peer" | tail -n 1) || fail "building $peer failed"
+    echo "$line"
+    [ -x "$PEERS_CACHE/bin/$peer" ] || fail "$peer: $PEERS_CACHE/bin/$peer is not executable after the build"
+  done
+}

@@ -1,0 +1,88 @@
+//! The controller image as an operator gets it: the tar of `scripts/build-controller-image`
+//! loads into a real dockerd, holds the static controller, CA certificates and the user
+//! table and nothing else (no shell for a job or an intruder to use), runs as its non-root
+//! user, carries its OCI labels, and says which file it could not read when started
+//! without a configuration. Building it twice gives the same bytes.
+
+#![allow(clippy::unwrap_used)]
+
+use std::{collections::BTreeSet, path::PathBuf, process::Command};
+
+use e2e::{docker::host, paths};
+
+fn static_controller() -> PathBuf {
+    let path = paths::repository().join("target/x86_64-unknown-linux-musl/release/controller");
+    assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
+    path
+}
+
+/// Runs the script; returns the image's tag and tar.
+fn build(cache: &std::path::Path) -> (String, PathBuf) {
+    let output = Command::new(paths::repository().join("scripts/build-controller-image"))
+        .env("CONTROLLER_BIN", static_controller())
+        .env("PEERS_CACHE", cache)
+        .output()
+        .expect("scripts/build-controller-image cannot run");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "scripts/build-controller-image failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let line = stdout.lines().rev().find(|l| l.starts_with("image ")).expect("no `image` line");
+    let mut words = line.split_whitespace().skip(1);
+    (words.next().unwrap().to_owned(), PathBuf::from(words.next().unwrap()))
+}
+
+fn ok(output: &std::process::Output, what: &str) -> String {
+    assert!(output.status.success(), "{what}: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_image_is_the_controller_alone_as_a_non_root_user() {
+    let _turn = e2e::exclusive().await;
+    let cache = tempfile::tempdir().unwrap();
+    let (tag, tar) = build(cache.path());
+    let bytes = std::fs::read(&tar).unwrap();
+    let (again_tag, again_tar) = build(cache.path());
+    assert_eq!((&again_tag, std::fs::read(&again_tar).unwrap() == bytes), (&tag, true), "a second build differs");
+    let controller_size = std::fs::metadata(static_controller()).unwrap().len();
+    eprintln!("controller image {tag}: {} bytes; controller binary {controller_size} bytes", bytes.len());
+    assert!((bytes.len() as u64) < controller_size + 2 * 1024 * 1024, "the image is more than the controller and its certificates");
+
+    let docker = host();
+    ok(&docker.docker(&["load", "-i", &tar.display().to_string()]), "docker load");
+    let config = ok(&docker.docker(&["image", "inspect", "--format", "{{.Config.User}}|{{json .Config.Labels}}", &tag]), "inspect");
+    let (user, labels) = config.trim().split_once('|').unwrap();
+    assert_eq!(user, "65532:65532");
+    let labels: std::collections::BTreeMap<String, String> = serde_json::from_str(labels).unwrap();
+    assert_eq!(labels["org.opencontainers.image.version"], env!("CARGO_PKG_VERSION"));
+    let head = String::from_utf8(Command::new("git").arg("-C").arg(paths::repository()).args(["rev-parse", "HEAD"]).output().unwrap().stdout).unwrap();
+    assert!(labels["org.opencontainers.image.revision"].starts_with(head.trim()), "{labels:?}");
+
+    let version = ok(&docker.docker(&["run", "--rm", "--network", "none", &tag, "version"]), "controller version in the image");
+    assert!(version.starts_with(&format!("controller {}", env!("CARGO_PKG_VERSION"))), "{version}");
+    // As the image's user, not root.
+    let unconfigured = docker.docker(&["run", "--rm", "--network", "none", &tag]);
+    assert_eq!(unconfigured.status.code(), Some(64), "{unconfigured:?}");
+    let said = String::from_utf8_lossy(&unconfigured.stderr);
+    assert!(said.contains("cannot read /etc/gitea-dynamic-runner/controller.toml"), "{said}");
+
+    let name = format!("gdr-controller-image-{}", std::process::id());
+    ok(&docker.docker(&["create", "--name", &name, &tag]), "docker create");
+    let exported = cache.path().join("exported.tar");
+    let export = docker.docker(&["export", "-o", &exported.display().to_string(), &name]);
+    let _ = docker.docker(&["rm", "-f", &name]);
+    ok(&export, "docker export");
+    let listing = ok(&Command::new("tar").arg("-tf").arg(&exported).output().unwrap(), "tar -tf");
+    let files: BTreeSet<&str> = listing
+        .lines()
+        .map(|path| path.trim_start_matches("./"))
+        .filter(|path| !path.ends_with('/'))
+        // What every container gets from the engine, not from the image.
+        .filter(|path| {
+            ![".dockerenv", "etc/hostname", "etc/hosts", "etc/resolv.conf", "etc/mtab"].contains(path)
+                && !path.starts_with("dev/")
+                && !path.starts_with("proc/")
+                && !path.starts_with("sys/")
+        })
+        .collect();
+    assert_eq!(files, BTreeSet::from(["etc/group", "etc/passwd", "etc/ssl/certs/ca-certificates.crt", "usr/local/bin/controller"]));
+}
