@@ -115,7 +115,7 @@ impl Lifecycle {
                 store::modify(self.store.as_ref(), assignment_id, |current| (!current.is_terminal()).then(|| current.ended(name.clone(), reason))).await;
             match modified {
                 Err(StoreError::Unavailable { .. }) if tokio::time::Instant::now() + pause < deadline => {
-                    tracing::warn!(assignment_id, "the store is unavailable; retrying to record the end");
+                    tracing::warn!(assignment.id = assignment_id, "the store is unavailable; retrying to record the end");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(2));
                 }
@@ -124,7 +124,7 @@ impl Lifecycle {
         };
         let record = modified?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
         self.release(&record);
-        tracing::info!(assignment_id, result = %name, "assignment finished");
+        tracing::info!(assignment.id = assignment_id, result = %name, "assignment finished");
         Ok(record)
     }
 
@@ -141,15 +141,20 @@ impl Lifecycle {
             self.release(&record);
             return Ok(record);
         }
-        tracing::error!(assignment_id, "failing the task: {reason}");
+        tracing::error!(assignment.id = assignment_id, "failing the task: {reason}");
         match (envelope::task_id_of(assignment_id), self.registrations.reports_for(&record.runner)) {
             (Some(task_id), Ok(reports)) => {
                 if let Err(error) = gitea::fail_task(reports.as_ref(), task_id, reason).await {
-                    tracing::error!(assignment_id, task_id, "could not fail the task in Gitea ({}); Gitea will time it out", crate::error_chain(&error));
+                    tracing::error!(
+                        assignment.id = assignment_id,
+                        task_id,
+                        "could not fail the task in Gitea ({}); Gitea will time it out",
+                        crate::error_chain(&error)
+                    );
                 }
             }
-            (_, Err(error)) => tracing::error!(assignment_id, "{error}"),
-            (None, _) => tracing::error!(assignment_id, "not a Gitea task id; nothing to tell Gitea"),
+            (_, Err(error)) => tracing::error!(assignment.id = assignment_id, "{error}"),
+            (None, _) => tracing::error!(assignment.id = assignment_id, "not a Gitea task id; nothing to tell Gitea"),
         }
         self.end(assignment_id, TaskResult::Failure as i32, Some(reason)).await
     }
@@ -173,8 +178,10 @@ impl Lifecycle {
                         (untold, envelope::task_id_of(&assignment_id), registrations.reports_for(&runner), result)
                     {
                         match gitea::close_task(reports.as_ref(), task_id, result).await {
-                            Ok(()) => tracing::info!(%assignment_id, task_id, "the runner did not report the end Gitea announced; told Gitea"),
-                            Err(error) => tracing::warn!(%assignment_id, task_id, "cannot tell Gitea the end of the task: {}", crate::error_chain(&error)),
+                            Ok(()) => tracing::info!(assignment.id = %assignment_id, task_id, "the runner did not report the end Gitea announced; told Gitea"),
+                            Err(error) => {
+                                tracing::warn!(assignment.id = %assignment_id, task_id, "cannot tell Gitea the end of the task: {}", crate::error_chain(&error))
+                            }
                         }
                     }
                 });
@@ -228,8 +235,8 @@ pub async fn retire(driver: &dyn Driver, name: &str, assignment_id: &str, grace:
         }
     };
     match outcome {
-        Ok(()) => tracing::debug!(environment = name, assignment_id, "environment removed"),
-        Err(error) => tracing::warn!(environment = name, assignment_id, %error, "cannot remove the environment yet; the reconciler will"),
+        Ok(()) => tracing::debug!(environment = name, assignment.id = assignment_id, "environment removed"),
+        Err(error) => tracing::warn!(environment = name, assignment.id = assignment_id, %error, "cannot remove the environment yet; the reconciler will"),
     }
 }
 

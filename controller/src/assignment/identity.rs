@@ -1,6 +1,6 @@
 //! Who a task is: `spiffe://<trust domain>/ci/<owner>/<repo>/<job>`, derived from the
 //! claimed task's repository and job key (the key under `jobs:`, never the numeric
-//! job id), see docs/architecture.md §4.
+//! job id); docs/security.md says what the identity lets a job reach.
 //!
 //! Each of owner, repo and job becomes one path segment:
 //! - **Verbatim** iff it matches `[A-Za-z0-9._-]+`, is not `.` or `..`, is at most 64

@@ -1,7 +1,7 @@
 //! Where a task runs, derived only from its single job's `runs-on`.
 //!
 //! A placement is `<class>.<driver>`; three exist: `container.kubernetes`,
-//! `vm.opensandbox` and `container.docker`. The rules (docs/architecture.md §1) are
+//! `vm.opensandbox` and `container.docker`. The rules (docs/architecture.md, "Labels") are
 //! strict, because Gitea has already handed the task over when we read them: a task
 //! that breaks them is failed in Gitea at once with the error's text as the log line.
 //!

@@ -184,7 +184,7 @@ impl Facade {
         if let Peer::Spiffe(peer_id) = peer
             && *peer_id != assignment.identity.spiffe_id
         {
-            tracing::warn!(assignment_id = id, peer = %peer_id, expected = %assignment.identity.spiffe_id, "facade refused a peer with the wrong SPIFFE ID");
+            tracing::warn!(assignment.id = id, peer = %peer_id, expected = %assignment.identity.spiffe_id, "facade refused a peer with the wrong SPIFFE ID");
             return Err(Status::permission_denied(format!("peer {peer_id} is not the identity of {id} ({})", assignment.identity.spiffe_id)));
         }
         Ok((record, assignment))
@@ -205,7 +205,7 @@ impl Facade {
                     });
                 }
                 State::Claimed { .. } => {
-                    tracing::warn!(assignment_id = %assignment.id, "a second holder tried to claim");
+                    tracing::warn!(assignment.id = %assignment.id, "a second holder tried to claim");
                     return Err(Status::failed_precondition(format!("{} is already claimed by another holder", assignment.id)));
                 }
                 State::Terminal { result } => {
@@ -218,7 +218,7 @@ impl Facade {
                     next.updated_at_ms = claimed_at_ms;
                     match self.store.update(&next, record.revision).await {
                         Ok(_) => {
-                            tracing::info!(assignment_id = %assignment.id, task_id = assignment.task.id, "claimed");
+                            tracing::info!(assignment.id = %assignment.id, task_id = assignment.task.id, "claimed");
                             crate::failpoint::hit("after-claim");
                             if let Some(metrics) = &self.metrics
                                 && record.value.created_at_ms > 0
@@ -256,14 +256,14 @@ impl Facade {
         let (record, assignment) = self.authorize(peer, credential, Scope::Session).await?;
         self.admit_report(&assignment.id)?;
         if task_id != assignment.task.id {
-            tracing::warn!(assignment_id = %assignment.id, task_id, "refused a report for another task");
+            tracing::warn!(assignment.id = %assignment.id, task_id, "refused a report for another task");
             return Err(Status::permission_denied(format!("{} may only report task {}, not {task_id}", assignment.id, assignment.task.id)));
         }
         if record.value.state == State::Pending {
             return Err(Status::failed_precondition(format!("{} is not claimed yet", assignment.id)));
         }
         let reports = self.registrations.reports_for(&record.value.runner).map_err(|error| {
-            tracing::error!(assignment_id = %assignment.id, "{error}");
+            tracing::error!(assignment.id = %assignment.id, "{error}");
             Status::failed_precondition(error.to_string())
         })?;
         // A terminal assignment still forwards for a while: after Gitea said "cancelled"
@@ -293,7 +293,7 @@ impl Facade {
         }
         if ended != TaskResult::Unspecified as i32 && !record.is_terminal() {
             let finished = if answered != TaskResult::Unspecified as i32 && reported == TaskResult::Unspecified as i32 {
-                tracing::info!(assignment_id = %assignment.id, task_id, result = %crate::lifecycle::result_name(answered), "Gitea ended the task");
+                tracing::info!(assignment.id = %assignment.id, task_id, result = %crate::lifecycle::result_name(answered), "Gitea ended the task");
                 self.lifecycle.ended_by_gitea(&assignment.id, answered).await
             } else {
                 // Gitea's result wins where the two differ (a cancelled task stays cancelled).
@@ -301,7 +301,7 @@ impl Facade {
                 self.lifecycle.finish(&assignment.id, result).await
             };
             if let Err(error) = finished {
-                tracing::error!(assignment_id = %assignment.id, "cannot record the end of the task: {}", crate::error_chain(&error));
+                tracing::error!(assignment.id = %assignment.id, "cannot record the end of the task: {}", crate::error_chain(&error));
             }
         }
         Ok(UpdateTaskResponse { response: Some(response) })
@@ -330,7 +330,7 @@ impl Facade {
         {
             metrics.job_startup.observe(seconds_since(record.value.created_at_ms));
         }
-        tracing::info!(assignment_id = %assignment.id, task_id = assignment.task.id, phase = phase.as_str_name(), exit_code = request.exit_code, detail = %request.detail, "environment phase");
+        tracing::info!(assignment.id = %assignment.id, task_id = assignment.task.id, phase = phase.as_str_name(), exit_code = request.exit_code, detail = %request.detail, "environment phase");
         let summary = phase_summary(phase, &request.detail, request.exit_code);
         let name = phase.as_str_name().trim_start_matches("PHASE_").to_ascii_lowercase();
         let at_ms = request.at.map_or_else(now_ms, |at| at.seconds.saturating_mul(1000).saturating_add(i64::from(at.nanos / 1_000_000)));
@@ -347,7 +347,7 @@ impl Facade {
         })
         .await
         {
-            tracing::warn!(assignment_id = %assignment.id, "cannot record the phase: {}", crate::error_chain(&error));
+            tracing::warn!(assignment.id = %assignment.id, "cannot record the phase: {}", crate::error_chain(&error));
         }
         Ok(ReportPhaseResponse {})
     }

@@ -403,7 +403,7 @@ impl Scheduler {
             match self.store.persist(&record).await {
                 Ok(created) => {
                     runtime.admission.persisted(&record.assignment_id);
-                    tracing::info!(assignment_id = %record.assignment_id, task_id, placement = %record.placement, created, "assignment persisted");
+                    tracing::info!(assignment.id = %record.assignment_id, task_id, placement = %record.placement, created, "assignment persisted");
                     self.observe(if created {
                         Outcome::Persisted { assignment_id: record.assignment_id.clone(), placement: record.placement, latency: fetched.elapsed() }
                     } else {
@@ -426,9 +426,9 @@ impl Scheduler {
                         metrics.error(error.metric_label());
                     }
                     // The task is ours alone now: keep trying, this assignment only.
-                    tracing::warn!(assignment_id = %record.assignment_id, task_id, attempt, %error, "persisting failed; retrying");
+                    tracing::warn!(assignment.id = %record.assignment_id, task_id, attempt, %error, "persisting failed; retrying");
                     if shutdown.is_cancelled() && attempt > 20 {
-                        tracing::error!(assignment_id = %record.assignment_id, task_id, "giving up on persisting at shutdown; Gitea will time the task out");
+                        tracing::error!(assignment.id = %record.assignment_id, task_id, "giving up on persisting at shutdown; Gitea will time the task out");
                         return;
                     }
                     tokio::time::sleep(backoff(attempt)).await;

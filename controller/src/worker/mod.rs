@@ -300,24 +300,24 @@ impl Worker {
         match placed {
             Ok(Placed::Done) => {
                 if let Err(error) = delivery.ack().await {
-                    tracing::warn!(%assignment_id, %error, "ack failed; the delivery will come again and find the environment");
+                    tracing::warn!(assignment.id = %assignment_id, %error, "ack failed; the delivery will come again and find the environment");
                 }
             }
             Ok(Placed::PoolFull) => {
-                tracing::debug!(%assignment_id, placement = %self.runtime.placement, "pool full; the assignment waits in the queue");
+                tracing::debug!(assignment.id = %assignment_id, placement = %self.runtime.placement, "pool full; the assignment waits in the queue");
                 let _ = delivery.nak(self.nak_delay).await;
             }
             Err(PlaceError::Driver(error)) if error.is_refusal() => {
                 let reason = format!("the {} environment could not be created: {error}", self.runtime.placement);
                 if let Err(failed) = self.lifecycle.fail(&assignment_id, &reason).await {
-                    tracing::warn!(%assignment_id, "cannot fail the task yet: {}", crate::error_chain(&failed));
+                    tracing::warn!(assignment.id = %assignment_id, "cannot fail the task yet: {}", crate::error_chain(&failed));
                     let _ = delivery.nak(self.nak_delay).await;
                 } else if let Err(error) = delivery.ack().await {
-                    tracing::warn!(%assignment_id, %error, "ack failed");
+                    tracing::warn!(assignment.id = %assignment_id, %error, "ack failed");
                 }
             }
             Err(error) => {
-                tracing::warn!(%assignment_id, "creating the environment failed; retrying later: {}", crate::error_chain(&error));
+                tracing::warn!(assignment.id = %assignment_id, "creating the environment failed; retrying later: {}", crate::error_chain(&error));
                 let _ = delivery.nak(self.nak_delay).await;
             }
         }
@@ -325,7 +325,7 @@ impl Worker {
 
     async fn place(&self, assignment_id: &str) -> Result<Placed, PlaceError> {
         let Some(record) = self.store.get(assignment_id).await? else {
-            tracing::warn!(%assignment_id, "queued assignment has no record; dropping the message");
+            tracing::warn!(assignment.id = %assignment_id, "queued assignment has no record; dropping the message");
             return Ok(Placed::Done);
         };
         if record.value.is_terminal() {
@@ -374,7 +374,7 @@ impl Worker {
         let recorded =
             store::modify(self.store.as_ref(), assignment_id, |current| Some(Record { environment: Some(environment.name.clone()), ..current.clone() }))
                 .await?;
-        tracing::info!(%assignment_id, environment = %environment.name, placement = %self.runtime.placement, "environment created");
+        tracing::info!(assignment.id = %assignment_id, environment = %environment.name, placement = %self.runtime.placement, "environment created");
         // Finished while it was being created (cancelled in Gitea): retire it now.
         if recorded.is_some_and(|r| r.value.is_terminal()) {
             let (driver, name, id) = (Arc::clone(&self.driver), environment.name.clone(), assignment_id.to_owned());

@@ -117,7 +117,7 @@ impl Reconciler {
             }
         }
         for id in self.runtime.pool.release_absent(&present, listed_at) {
-            tracing::info!(%placement, assignment_id = %id, "pool slot released: its environment is gone");
+            tracing::info!(%placement, assignment.id = %id, "pool slot released: its environment is gone");
         }
         let now_ms = now_ms();
         for record in self.store.list().await? {
@@ -204,8 +204,8 @@ impl Reconciler {
             return;
         }
         match self.store.persist(record).await {
-            Ok(_) => tracing::debug!(assignment_id = %record.assignment_id, "pending record queued again (a no-op unless its message was lost)"),
-            Err(error) => tracing::warn!(assignment_id = %record.assignment_id, "cannot queue the pending record again: {}", crate::error_chain(&error)),
+            Ok(_) => tracing::debug!(assignment.id = %record.assignment_id, "pending record queued again (a no-op unless its message was lost)"),
+            Err(error) => tracing::warn!(assignment.id = %record.assignment_id, "cannot queue the pending record again: {}", crate::error_chain(&error)),
         }
     }
 
@@ -225,14 +225,14 @@ impl Reconciler {
         };
         let remove = match (&record, environment.phase) {
             (None, _) => {
-                tracing::info!(environment = %environment.name, assignment_id = %id, "environment without an assignment");
+                tracing::info!(environment = %environment.name, assignment.id = %id, "environment without an assignment");
                 true
             }
             (Some(record), _) if !record.is_terminal() && !self.current_attempt(record, &environment.name) => {
                 // An earlier attempt's environment (listed before it was deleted, or one
                 // a killed process left): never the job's, so neither its slot nor its
                 // record is touched.
-                tracing::info!(environment = %environment.name, assignment_id = %id, "environment of an earlier attempt");
+                tracing::info!(environment = %environment.name, assignment.id = %id, "environment of an earlier attempt");
                 return self.driver.delete(&environment.name).await.is_ok();
             }
             (Some(record), Phase::Running) if record.is_terminal() => {
@@ -279,7 +279,7 @@ impl Reconciler {
         match deleted {
             Ok(()) => {
                 self.runtime.pool.release(&id);
-                tracing::info!(environment = %environment.name, assignment_id = %id, "environment deleted");
+                tracing::info!(environment = %environment.name, assignment.id = %id, "environment deleted");
                 true
             }
             Err(error) => {

@@ -269,7 +269,7 @@ async fn serve_the_runner(
             return exit::CLAIM;
         }
     };
-    tracing::info!(assignment_id = %facade.assignment_id, task_id = task.id, "claimed");
+    tracing::info!(assignment.id = %facade.assignment_id, task_id = task.id, "claimed");
     client.report(Phase::Claimed, "", 0).await;
 
     let runner = match loopback::LocalRunner::new(&facade.assignment_id, facade.labels.clone()) {

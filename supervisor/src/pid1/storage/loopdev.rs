@@ -1,5 +1,5 @@
 //! Loop devices through hand-written ioctls on `/dev/loop-control` and `/dev/loopN`
-//! (reference rules L2, L5, L7).
+//! (rules L2, L5, L7 of the storage module).
 //!
 //! Why hand-written instead of a crate: `loopdev` and `loopdev-3` generate their bindings
 //! with bindgen at build time (libclang plus kernel headers on the build host, which is

@@ -1,4 +1,4 @@
-//! The `mkfs.ext4` command line (reference rule L4), built as a pure function.
+//! The `mkfs.ext4` command line (rule L4 of the storage module), built as a pure function.
 //!
 //! Formatting the *file* needs no loop device. Speed knobs (mke2fs(8)):
 //! - `lazy_itable_init=1`, `lazy_journal_init=1`: don't zero inode tables / journal now;

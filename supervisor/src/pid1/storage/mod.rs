@@ -1,6 +1,17 @@
 //! Storage for the job-local dockerd: loop-backed ext4 on `/var/lib/docker`. The
-//! L-numbers in comments name the rules it follows (e.g. L8: a state file records what
-//! was created).
+//! L-numbers in comments name the rules it follows:
+//!
+//! - L1: a mountpoint that is already mounted (an emptyDir, a volume) is used as it is.
+//! - L2: `/dev/loop-control` (c 10:237) is made if the container's `/dev` lacks it.
+//! - L3: the backing file is sparse and never on the mountpoint itself.
+//! - L4: `mkfs.ext4` formats the file itself, fast options only ([`mkfs`]).
+//! - L5: a loop device is taken with GET_FREE, its node found through sysfs (made if
+//!   missing), bound with autoclear, and taken again on a race.
+//! - L6: ext4 is mounted `noatime`, then our loop fd is closed, so the last umount
+//!   detaches the device.
+//! - L7: loop devices this supervisor did not bind are never touched (in a container
+//!   they are the host's).
+//! - L8: a state file records what was created, for `doctor` and re-runs.
 //!
 //! [`prepare`] either finds the mountpoint already mounted (an emptyDir or volume:
 //! [`Prepared::Existing`], nothing to undo) or creates a sparse image, formats it with
