@@ -92,6 +92,7 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
             let settings = match mode {
                 Mode::UnixCapabilityOnly => EnvironmentSettings {
                     gitea_url: Some("http://127.0.0.1:9".into()),
+                    instance: "contract".into(),
                     capability_ttl: Duration::from_secs(600),
                     socket_dir: Some(socket_dir.clone()),
                     socket_placements: Placement::ALL.to_vec(),
@@ -99,6 +100,7 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
                 },
                 Mode::UnixWithIdentity => EnvironmentSettings {
                     spiffe_endpoint_socket: Some(job_api.endpoint()),
+                    instance: "contract".into(),
                     capability_ttl: Duration::from_secs(600),
                     socket_dir: Some(socket_dir.clone()),
                     socket_placements: Placement::ALL.to_vec(),
@@ -108,6 +110,7 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
                     facade_url: format!("https://{mtls_address}"),
                     facade_spiffe_id: Some(FACADE_ID.into()),
                     spiffe_endpoint_socket: Some(job_api.endpoint()),
+                    instance: "contract".into(),
                     capability_ttl: Duration::from_secs(600),
                     ..EnvironmentSettings::default()
                 },
@@ -153,8 +156,14 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
                 // the runner's directory where `.runner` was written.
                 .args(["run", "--", "sh", "-c", "test -f .runner && grep -q '\"address\": \"http://127.0.0.1:' .runner && echo runner-started"])
                 .kill_on_drop(true);
-            let output = tokio::time::timeout(Duration::from_secs(60), command.output()).await.unwrap().unwrap();
-            let stderr = String::from_utf8_lossy(&output.stderr);
+            // The supervisor's log goes to a file, so a run that hangs still says where.
+            let log = scratch.join("supervisor.log");
+            command.stdout(std::process::Stdio::piped()).stderr(std::fs::File::create(&log).unwrap());
+            let Ok(output) = tokio::time::timeout(Duration::from_secs(60), command.spawn().unwrap().wait_with_output()).await else {
+                panic!("{placement} {mode:?}: the supervisor did not finish within 60 s:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+            };
+            let output = output.unwrap();
+            let stderr = std::fs::read_to_string(&log).unwrap_or_default();
             let stdout = String::from_utf8_lossy(&output.stdout);
             assert!(output.status.success(), "{placement} {mode:?}: the supervisor exited with {}\n{stderr}", output.status);
             assert!(stdout.contains("runner-started"), "{placement} {mode:?}: {stdout}\n{stderr}");
