@@ -68,12 +68,27 @@ jobs:
     )
 }
 
-/// A job's log by its matrix number (the runs' job indices follow the matrix order).
-async fn logs(gitea: &Gitea, repo: &Repo, run: i64, jobs: usize) -> Vec<String> {
-    let mut logs = Vec::new();
+/// The matrix number of the run's job at `index`, from its log (`Matrix: map[n:N]`):
+/// Gitea orders a run's jobs by name, so from ten jobs on index and number differ.
+async fn job_number(gitea: &Gitea, repo: &Repo, run: i64, index: usize) -> usize {
+    const MATRIX: &str = "Matrix: map[n:";
+    gitea.wait_for_log(repo, run, index, MATRIX).await;
+    let log = gitea.job_log(repo, run, index).await;
+    log.split(MATRIX)
+        .nth(1)
+        .and_then(|rest| rest.split(']').next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no matrix number in:\n{log}"))
+}
+
+/// Every job's log by its matrix number.
+async fn logs(gitea: &Gitea, repo: &Repo, run: i64, jobs: usize) -> std::collections::BTreeMap<usize, String> {
+    let mut logs = std::collections::BTreeMap::new();
     for index in 0..jobs {
-        logs.push(strip_log_timestamps(&gitea.job_log(repo, run, index).await));
+        let n = job_number(gitea, repo, run, index).await;
+        logs.insert(n, strip_log_timestamps(&gitea.job_log(repo, run, index).await));
     }
+    assert_eq!(logs.keys().copied().collect::<Vec<_>>(), (1..=jobs).collect::<Vec<_>>(), "the run's jobs are not the matrix");
     logs
 }
 
@@ -93,7 +108,8 @@ async fn a_controller_restarted_mid_job_is_invisible_to_running_jobs() {
     let started = gitea.wait_for_tasks(&repo, Duration::from_secs(240), |t| t.len() == jobs && t.iter().all(|t| t.status == "running")).await;
     let run = started[0].run_number;
     for index in 0..jobs {
-        gitea.wait_for_log(&repo, run, index, &format!("job-{}-started", index + 1)).await;
+        let n = job_number(&gitea, &repo, run, index).await;
+        gitea.wait_for_log(&repo, run, index, &format!("job-{n}-started")).await;
     }
     let containers = host().containers(&controller.environment_label());
     assert_eq!(containers.len(), jobs, "{containers:?}");
@@ -107,8 +123,7 @@ async fn a_controller_restarted_mid_job_is_invisible_to_running_jobs() {
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(240), |t| done(t, jobs)).await;
     let logs = logs(&gitea, &repo, run, jobs).await;
     assert_eq!(tasks.len(), jobs, "one task per job, none run twice: {tasks:?}");
-    for (index, log) in logs.iter().enumerate() {
-        let n = index + 1;
+    for (&n, log) in &logs {
         let task = tasks.iter().find(|t| t.name.ends_with(&format!("({n})"))).unwrap_or_else(|| panic!("no task of job {n}: {tasks:?}"));
         let want = if n == 1 { "failure" } else { "success" };
         assert_eq!(task.status, want, "job {n}: {tasks:?}\n{log}");
