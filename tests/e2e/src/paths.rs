@@ -24,6 +24,14 @@ pub fn supervisor() -> PathBuf {
     path
 }
 
+/// The static musl controller of `scripts/build-static` (what the controller image and
+/// `scripts/run-local` use).
+pub fn static_controller() -> PathBuf {
+    let path = repository().join("target/x86_64-unknown-linux-musl/release/controller");
+    assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
+    path
+}
+
 /// The runner image of `variant` (`gitea-runner` or `act_runner`): its tag and the
 /// `docker save` tar, from `scripts/build-image` (cached by content, so this is quick
 /// when nothing changed).

@@ -10,16 +10,10 @@ use std::{collections::BTreeSet, path::PathBuf, process::Command};
 
 use e2e::{docker::host, paths};
 
-fn static_controller() -> PathBuf {
-    let path = paths::repository().join("target/x86_64-unknown-linux-musl/release/controller");
-    assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
-    path
-}
-
 /// Runs the script; returns the image's tag and tar.
 fn build(cache: &std::path::Path) -> (String, PathBuf) {
     let output = Command::new(paths::repository().join("scripts/build-controller-image"))
-        .env("CONTROLLER_BIN", static_controller())
+        .env("CONTROLLER_BIN", paths::static_controller())
         .env("PEERS_CACHE", cache)
         .output()
         .expect("scripts/build-controller-image cannot run");
@@ -43,7 +37,7 @@ async fn the_controller_image_is_the_controller_alone_as_a_non_root_user() {
     let bytes = std::fs::read(&tar).unwrap();
     let (again_tag, again_tar) = build(cache.path());
     assert_eq!((&again_tag, std::fs::read(&again_tar).unwrap() == bytes), (&tag, true), "a second build differs");
-    let controller_size = std::fs::metadata(static_controller()).unwrap().len();
+    let controller_size = std::fs::metadata(paths::static_controller()).unwrap().len();
     eprintln!("controller image {tag}: {} bytes; controller binary {controller_size} bytes", bytes.len());
     assert!((bytes.len() as u64) < controller_size + 2 * 1024 * 1024, "the image is more than the controller and its certificates");
 

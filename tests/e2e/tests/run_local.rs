@@ -13,14 +13,8 @@ use std::{
 use e2e::{docker::host, paths};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-fn controller() -> std::path::PathBuf {
-    let path = paths::repository().join("target/x86_64-unknown-linux-musl/release/controller");
-    assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
-    path
-}
-
 fn run_local(workflow: &std::path::Path, image: &str) -> tokio::process::Command {
-    let mut command = tokio::process::Command::new(controller());
+    let mut command = tokio::process::Command::new(paths::static_controller());
     command
         .args(["run-local", "--workflow"])
         .arg(workflow)
