@@ -319,6 +319,20 @@ async fn refusals_have_the_right_status_codes() {
     assert_eq!(status.code(), Code::PermissionDenied, "{status}");
     assert!(h.fake.with(|s| s.tasks[&other_task.id].log.is_empty()), "a foreign log reached Gitea");
 
+    // Over the development-mode TCP listener the session is bound to the address that
+    // claimed: the same session from another address is refused, and so is a session
+    // made for another kind of peer.
+    let here = Peer::Address("10.0.0.5".parse().unwrap());
+    let there = Peer::Address("10.0.0.6".parse().unwrap());
+    let bound = h.facade.claim(&here, claim(&id, &capability, HOLDER)).await.unwrap().session;
+    let empty_log = || Some(runner::UpdateLogRequest { task_id: task.id, index: 0, rows: vec![], no_more: false });
+    let status = h.facade.update_log(&there, UpdateLogRequest { credential: credential(&id, &bound), request: empty_log() }).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status}");
+    assert!(status.message().contains("the address that claimed") && status.message().contains("10.0.0.6"), "{status}");
+    let status = h.facade.update_log(&here, UpdateLogRequest { credential: credential(&id, &session), request: empty_log() }).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status}");
+    assert!(h.facade.update_log(&here, UpdateLogRequest { credential: credential(&id, &bound), request: empty_log() }).await.is_ok());
+
     // A task fetched by a runner whose credential this controller does not hold (another
     // replica registered on its own): refused with what to do, nothing reaches Gitea.
     controller::store::modify(h.store.as_ref(), &id, |r| Some(controller::store::Record { runner: "uuid-of-another-registration".into(), ..r.clone() }))

@@ -58,9 +58,23 @@ pub enum Peer {
     Spiffe(String),
     /// On the socket of one environment (the docker placement): only its assignment.
     Environment { assignment_id: String },
-    /// On a socket or listener any caller may reach (tests, the development mode):
-    /// the capability alone.
+    /// Over the development-mode TCP listener: the caller's address. Its session is bound
+    /// to the address that claimed, so a session read elsewhere is worth nothing on
+    /// another host (the listener's only binding to an environment).
+    Address(std::net::IpAddr),
+    /// On a socket any caller may reach (tests of the service itself): the capability
+    /// alone.
     Local,
+}
+
+/// The scope of the session `peer` gets for `assignment_id`: over the development-mode
+/// listener the claiming address is part of it.
+pub fn session_scope(peer: &Peer, assignment_id: &str) -> String {
+    let scope = crate::assignment::capability::session_scope(assignment_id);
+    match peer {
+        Peer::Address(address) => format!("{scope}@{}", address.to_canonical()),
+        Peer::Spiffe(_) | Peer::Environment { .. } | Peer::Local => scope,
+    }
 }
 
 /// Which capability a call must carry.
@@ -132,11 +146,11 @@ impl Facade {
         self
     }
 
-    /// The session capability of a claim made at `claimed_at_ms`: the same for every
-    /// retry of that claim.
-    fn session(&self, assignment_id: &str, claimed_at_ms: i64) -> String {
+    /// The session capability of a claim made at `claimed_at_ms` by `peer`: the same for
+    /// every retry of that claim.
+    fn session(&self, peer: &Peer, assignment_id: &str, claimed_at_ms: i64) -> String {
         let claimed = u64::try_from(claimed_at_ms.div_euclid(1000)).unwrap_or(0);
-        self.key.issue(&crate::assignment::capability::session_scope(assignment_id), claimed.saturating_add(self.session_ttl.as_secs()))
+        self.key.issue(&session_scope(peer, assignment_id), claimed.saturating_add(self.session_ttl.as_secs()))
     }
 
     pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
@@ -163,16 +177,19 @@ impl Facade {
             return Err(Status::permission_denied(format!("this socket belongs to the environment of {assignment_id}, not of {id}")));
         }
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let session = crate::assignment::capability::session_scope(id);
+        let session = session_scope(peer, id);
         let verified = match scope {
             Scope::Given => self.key.verify(&credential.capability, id, now),
             Scope::Session => self.key.verify(&credential.capability, &session, now),
             Scope::Either => self.key.verify(&credential.capability, &session, now).or_else(|_| self.key.verify(&credential.capability, id, now)),
         };
         verified.map_err(|error| match (scope, &error) {
-            (Scope::Session, crate::assignment::capability::CapabilityError::WrongAssignment { .. }) => {
-                Status::unauthenticated(format!("{id}: reports carry the session capability of the claim, not the capability the environment was given"))
-            }
+            (Scope::Session, crate::assignment::capability::CapabilityError::WrongAssignment { .. }) => match peer {
+                Peer::Address(address) => Status::unauthenticated(format!(
+                    "{id}: reports carry the session capability of the claim, sent from the address that claimed (this call came from {address})"
+                )),
+                _ => Status::unauthenticated(format!("{id}: reports carry the session capability of the claim, not the capability the environment was given")),
+            },
             (Scope::Given, crate::assignment::capability::CapabilityError::WrongAssignment { .. }) => {
                 Status::unauthenticated(format!("{id}: a claim carries the capability the environment was given"))
             }
@@ -201,7 +218,7 @@ impl Facade {
                 State::Claimed { holder: current, claimed_at_ms } if *current == holder => {
                     return Ok(ClaimResponse {
                         gitea_capabilities: self.gitea_capabilities(&record.value.runner),
-                        ..claim_response(assignment.task.clone(), *claimed_at_ms, self.session(&assignment.id, *claimed_at_ms))
+                        ..claim_response(assignment.task.clone(), *claimed_at_ms, self.session(peer, &assignment.id, *claimed_at_ms))
                     });
                 }
                 State::Claimed { .. } => {
@@ -227,7 +244,7 @@ impl Facade {
                             }
                             return Ok(ClaimResponse {
                                 gitea_capabilities: self.gitea_capabilities(&record.value.runner),
-                                ..claim_response(assignment.task.clone(), claimed_at_ms, self.session(&assignment.id, claimed_at_ms))
+                                ..claim_response(assignment.task.clone(), claimed_at_ms, self.session(peer, &assignment.id, claimed_at_ms))
                             });
                         }
                         Err(StoreError::Conflict { .. }) => {

