@@ -80,7 +80,7 @@ impl Lifecycle {
     ///
     /// # Errors
     /// When the store cannot record it (the caller may retry; nothing was released).
-    #[tracing::instrument(skip(self), fields(assignment.id = %assignment_id))]
+    #[tracing::instrument(skip(self, assignment_id), fields(assignment.id = %assignment_id))]
     pub async fn finish(&self, assignment_id: &str, result: i32) -> Result<Record, LifecycleError> {
         self.end(assignment_id, result, None).await
     }
@@ -134,7 +134,7 @@ impl Lifecycle {
     ///
     /// # Errors
     /// When the store cannot record it.
-    #[tracing::instrument(skip(self, reason), fields(assignment.id = %assignment_id))]
+    #[tracing::instrument(skip(self, assignment_id, reason), fields(assignment.id = %assignment_id))]
     pub async fn fail(&self, assignment_id: &str, reason: &str) -> Result<Record, LifecycleError> {
         let record = self.store.get(assignment_id).await?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
         if record.is_terminal() {

@@ -42,7 +42,7 @@ impl KeepAlive {
 
     /// One heartbeat for an unclaimed assignment; true when Gitea had ended its task (and
     /// the assignment was finished).
-    #[tracing::instrument(skip(self, runner), fields(assignment.id = %id))]
+    #[tracing::instrument(skip(self, id, runner), fields(assignment.id = %id))]
     async fn beat(&self, id: &str, runner: &str) -> bool {
         let Some(task_id) = envelope::task_id_of(id) else { return false };
         let reports = match self.registrations.reports_for(runner) {

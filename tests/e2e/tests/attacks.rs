@@ -25,7 +25,7 @@ use controller::{
 use e2e::{
     docker::host,
     kubernetes::{Cluster, cluster},
-    stack::{Controller, Options, PodOptions, SandboxOptions},
+    stack::{Controller, Options, PodOptions, PodSpire, SandboxOptions},
 };
 use proto::{
     facade::v1::{AssignmentCredential, ClaimRequest, UpdateLogRequest},
@@ -34,13 +34,14 @@ use proto::{
 use testkit::{
     gitea::{Gitea, GiteaOptions, TaskInfo, strip_log_timestamps},
     opensandbox::OpenSandbox,
+    spire::{SpireAgent, SpireServer},
 };
 
 /// What the stack writes as the capability key (tests/e2e/src/stack.rs).
 const KEY: &[u8] = b"e2e-capability-key-0123456789abcdef0123456789";
 
 /// Every attempt, in the order of docs/security.md's table.
-const ATTEMPTS: [&str; 10] = [
+const ATTEMPTS: [&str; 12] = [
     "own-capability",
     "other-task-claim",
     "other-task-report",
@@ -49,7 +50,9 @@ const ATTEMPTS: [&str; 10] = [
     "capability-key",
     "store",
     "other-environments",
+    "other-svid",
     "host",
+    "user-namespace",
     "controller-http",
 ];
 
@@ -71,8 +74,13 @@ struct Loot {
     key: String,
     store: String,
     gateway: String,
-    /// The facade's development-mode TCP address (Pods); empty: the environment's socket.
+    /// The facade's TCP address (Pods, sandboxes); empty: the environment's socket.
     facade_tcp: String,
+    /// Whether that address speaks mTLS (SPIRE) rather than the development mode's h2c.
+    facade_tls: bool,
+    /// The SPIRE agent's socket in the environment, and the running victim's SPIFFE ID.
+    spiffe_socket: String,
+    victim_spiffe_id: String,
     http_port: u16,
     job_dockerd: bool,
     /// A root-only file on the host and what it holds.
@@ -86,13 +94,17 @@ verdict() { echo "ATTACK $1: $2 $3"; }
 facade=/run/gitea-dynamic-runner/facade.sock
 grpc() { # PROCEDURE BASE64-FRAME → "http-code grpc-status"
   echo "$2" | base64 -d > /tmp/request.bin
-  if [ -n "$FACADE_TCP" ]; then where=$FACADE_TCP; set -- "$1" "$2"; else where=facade; set -- "$1" "$2" --unix-socket "$facade"; fi
+  scheme=http
+  if [ "$FACADE_TLS" = true ]; then where=$FACADE_TCP; scheme=https; set -- "$1" "$2" --insecure
+  elif [ -n "$FACADE_TCP" ]; then where=$FACADE_TCP; set -- "$1" "$2"
+  else where=facade; set -- "$1" "$2" --unix-socket "$facade"; fi
   curl -s -o /dev/null -m 10 --http2-prior-knowledge "${@:3}" -H 'content-type: application/grpc' -H 'te: trailers' \
-    --data-binary @/tmp/request.bin -w '%{http_code} %header{grpc-status}' "http://$where/facade.v1.FacadeService/$1"
+    --data-binary @/tmp/request.bin -w '%{http_code} %header{grpc-status}' "$scheme://$where/facade.v1.FacadeService/$1"
 }
 facade_verdict() { # NAME "http-code grpc-status": 200 with no status in the headers is a success (status in the trailers)
   case "$2" in
     "200 " | "200 0") verdict "$1" reach "the facade answered OK: $2" ;;
+    000*) verdict "$1" refused "no connection: the facade wants a client SVID (mTLS) this step does not hold" ;;
     *) verdict "$1" refused "http and grpc-status: $2" ;;
   esac
 }
@@ -186,7 +198,20 @@ else
   verdict other-environments refused "its facade directory holds only: $mine; $loops loop devices"
 fi
 
-# 9. The host itself: a file only the host's root reads.
+# 9. Another job's SVID from the SPIRE agent the environment is given (supervisor doctor
+#    asks the Workload API which SVIDs it offers this caller).
+if [ -n "$SPIFFE_SOCKET" ]; then
+  offered=$(supervisor doctor --identity true --spiffe-id "$VICTIM_SPIFFE_ID" --spiffe-endpoint "unix://$SPIFFE_SOCKET" 2>&1 | grep -o 'offered \[[^]]*\]' | head -n1)
+  case "$offered" in
+    *"\"$VICTIM_SPIFFE_ID\""*) verdict other-svid reach "the agent $offered" ;;
+    "") verdict other-svid refused "the agent offered no SVID to this step" ;;
+    *) verdict other-svid refused "the agent $offered: its own job's only" ;;
+  esac
+else
+  verdict other-svid refused "no SPIRE agent socket in the environment: $(ls /run/spire 2>&1 | head -c 100)"
+fi
+
+# 10. The host itself: a file only the host's root reads.
 marker=$(host_read "$HOST_MARKER")
 if printf '%s' "$marker" | grep -q "^$HOST_MARKER_VALUE"; then
   verdict host reach "as the host's root: read $HOST_MARKER (mode 0600)"
@@ -196,7 +221,11 @@ else
   verdict host refused "uid $(id -u), no-new-privileges: $(grep NoNewPrivs /proc/self/status | tr -s '\t' ' '), no Docker of its own: $(docker info >/dev/null 2>&1 && echo no || echo yes)"
 fi
 
-# 10. The controller's HTTP port.
+# 11. A user namespace of its own: the kernel surface rootless Docker needs.
+if unshare --user --map-root-user true 2>/tmp/userns.err; then verdict user-namespace reach "unshare --user --map-root-user worked"
+else verdict user-namespace refused "$(head -c 150 /tmp/userns.err)"; fi
+
+# 12. The controller's HTTP port.
 if curl -s -m 3 "http://$GATEWAY:$HTTP_PORT/metrics" | grep -q gdr_; then verdict controller-http reach "$GATEWAY:$HTTP_PORT"; else verdict controller-http refused "nothing answers at $GATEWAY:$HTTP_PORT"; fi
 true
 "#;
@@ -222,6 +251,9 @@ jobs:
           STORE: "{store}"
           GATEWAY: "{gateway}"
           FACADE_TCP: "{facade_tcp}"
+          FACADE_TLS: "{facade_tls}"
+          SPIFFE_SOCKET: "{spiffe_socket}"
+          VICTIM_SPIFFE_ID: "{victim_spiffe_id}"
           HTTP_PORT: "{http_port}"
           HOST_MARKER: "{marker}"
           HOST_MARKER_VALUE: "{marker_value}"
@@ -237,6 +269,9 @@ jobs:
         store = loot.store,
         gateway = loot.gateway,
         facade_tcp = loot.facade_tcp,
+        facade_tls = loot.facade_tls,
+        spiffe_socket = loot.spiffe_socket,
+        victim_spiffe_id = loot.victim_spiffe_id,
         http_port = loot.http_port,
         marker = loot.marker.display(),
         marker_value = loot.marker_value,
@@ -281,8 +316,10 @@ impl Placement {
     }
 }
 
-/// Runs the victims and the attacker in one mode; returns attempt → (verdict, detail).
-async fn attack(placement: Placement, job_dockerd: bool) -> BTreeMap<String, (String, String)> {
+/// Runs the victims and the attacker in one mode — on Kubernetes with `spire`, a real SPIRE
+/// server and agent (k8s workload attestor), an entry per Pod and the facade on mTLS;
+/// returns attempt → (verdict, detail).
+async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMap<String, (String, String)> {
     let _turn = e2e::exclusive().await;
     let docker = host();
     let (gateway, namespace) = match placement {
@@ -300,6 +337,7 @@ async fn attack(placement: Placement, job_dockerd: bool) -> BTreeMap<String, (St
             options.kubernetes = Some(PodOptions::on(cluster(), namespace.as_deref().unwrap()));
             options
         }
+        Placement::Sandbox if spire => unreachable!("the attack suite runs SPIRE on Kubernetes only"),
         Placement::Sandbox => {
             let image = docker.image("gitea-runner");
             let server = sandboxes.insert(tokio::task::block_in_place(|| OpenSandbox::start(&docker.url(), &image)));
@@ -308,6 +346,18 @@ async fn attack(placement: Placement, job_dockerd: bool) -> BTreeMap<String, (St
             options
         }
     };
+    let identities = match (spire, options.kubernetes.as_mut()) {
+        (true, Some(pods)) => {
+            let (identities, pod_spire) = tokio::task::block_in_place(Identities::start);
+            pods.spire = Some(pod_spire);
+            Some(identities)
+        }
+        _ => None,
+    };
+    let spiffe_socket =
+        options.kubernetes.as_ref().and_then(|pods| pods.spire.as_ref()).map_or_else(String::new, |spire| {
+            format!("{}/{}", e2e::stack::PodSpire::SOCKET_DIR_IN_POD, spire.agent_socket.file_name().unwrap().to_string_lossy())
+        });
     let facade_tcp = match (&options.kubernetes, &options.opensandbox) {
         (Some(pods), _) => pods.facade_listen.clone(),
         (_, Some(sandbox)) => sandbox.facade_listen.clone(),
@@ -334,9 +384,14 @@ async fn attack(placement: Placement, job_dockerd: bool) -> BTreeMap<String, (St
     assert!(matches!(record.state, State::Claimed { .. }), "{record:?}");
     // The victim's session exactly as the facade handed it out (over TCP bound to the
     // address the victim claimed from).
-    let victim = match victim_address(placement, namespace.as_deref(), &running_id, record.environment.as_deref().unwrap()) {
-        Some(address) => Peer::Address(address),
-        None => Peer::Environment { assignment_id: running_id.clone() },
+    let victim_spiffe_id = format!("spiffe://{TRUST_DOMAIN}/ci/{}/{}/running", running_repo.owner, running_repo.name);
+    let victim = if identities.is_some() {
+        Peer::Spiffe(victim_spiffe_id.clone())
+    } else {
+        match victim_address(placement, namespace.as_deref(), &running_id, record.environment.as_deref().unwrap()) {
+            Some(address) => Peer::Address(address),
+            None => Peer::Environment { assignment_id: running_id.clone() },
+        }
     };
 
     let credential = |id: &str, capability: String| Some(AssignmentCredential { assignment_id: id.to_owned(), capability });
@@ -368,6 +423,9 @@ async fn attack(placement: Placement, job_dockerd: bool) -> BTreeMap<String, (St
         store: state.join("store.redb").display().to_string(),
         gateway: gateway.to_string(),
         facade_tcp,
+        facade_tls: identities.is_some(),
+        spiffe_socket,
+        victim_spiffe_id,
         http_port,
         job_dockerd,
         marker,
@@ -402,8 +460,37 @@ async fn attack(placement: Placement, job_dockerd: bool) -> BTreeMap<String, (St
         tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
     }
     controller.stop().await;
-    drop(sandboxes);
+    drop((sandboxes, identities));
     verdicts
+}
+
+const TRUST_DOMAIN: &str = "e2e.test";
+
+/// A SPIRE server and an agent with the `k8s` workload attestor for the cluster's node,
+/// as `kubernetes.rs`'s mTLS test sets them up, and the controller's own entry.
+struct Identities {
+    _server: SpireServer,
+    _agent: SpireAgent,
+}
+
+impl Identities {
+    fn start() -> (Identities, PodSpire) {
+        const AGENT: &str = "spiffe://e2e.test/gdr/k8s-node";
+        const CONTROLLER: &str = "spiffe://e2e.test/gdr/controller";
+        let pki = cluster().kubeconfig.parent().unwrap().to_owned();
+        let server = SpireServer::start(TRUST_DOMAIN);
+        let attestor = format!(
+            "  WorkloadAttestor \"k8s\" {{\n    plugin_data {{\n      kubelet_secure_port = 30250\n      skip_kubelet_verification = true\n      certificate_path = \"{}\"\n      private_key_path = \"{}\"\n    }}\n  }}",
+            pki.join("admin.crt").display(),
+            pki.join("admin.key").display()
+        );
+        let agent = SpireAgent::start_with(&server, AGENT, &attestor);
+        let exe = std::env::current_exe().unwrap();
+        let entry = server.cli(&["entry", "create", "-parentID", AGENT, "-spiffeID", CONTROLLER, "-selector", &format!("unix:path:{}", exe.display())]);
+        assert!(entry.status.success(), "{}", String::from_utf8_lossy(&entry.stderr));
+        let pod_spire = PodSpire { server_socket: server.socket(), agent_socket: agent.socket(), controller_id: CONTROLLER.into(), parent_id: AGENT.into() };
+        (Identities { _server: server, _agent: agent }, pod_spire)
+    }
 }
 
 /// The address the running victim claimed from where the facade listens on TCP: its
@@ -463,7 +550,7 @@ fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&s
 /// task and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_docker_mode_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Docker, false).await;
+    let verdicts = attack(Placement::Docker, false, false).await;
     expect("docker (default)", &verdicts, &[]);
 }
 
@@ -472,8 +559,12 @@ async fn the_default_docker_mode_holds_against_a_hostile_job() {
 /// bindings still hold (another task stays refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_local_dockerd_gives_a_hostile_job_the_host() {
-    let verdicts = attack(Placement::Docker, true).await;
-    expect("docker, job_dockerd = true", &verdicts, &["own-capability", "credential", "capability-key", "store", "other-environments", "host"]);
+    let verdicts = attack(Placement::Docker, true, false).await;
+    expect(
+        "docker, job_dockerd = true",
+        &verdicts,
+        &["own-capability", "credential", "capability-key", "store", "other-environments", "host", "user-namespace"],
+    );
 }
 
 /// The default Kubernetes mode (an unprivileged Pod, no job-local dockerd), its facade on
@@ -481,7 +572,7 @@ async fn a_job_local_dockerd_gives_a_hostile_job_the_host() {
 /// claimed): a job reaches its own task and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_kubernetes_mode_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Kubernetes, false).await;
+    let verdicts = attack(Placement::Kubernetes, false, false).await;
     expect("kubernetes (default), development-mode TCP facade", &verdicts, &[]);
 }
 
@@ -490,8 +581,12 @@ async fn the_default_kubernetes_mode_holds_against_a_hostile_job() {
 /// binding still holds: a session of another task is refused from this Pod's address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_privileged_kubernetes_pod_gives_a_hostile_job_its_node() {
-    let verdicts = attack(Placement::Kubernetes, true).await;
-    expect("kubernetes, job_dockerd = true", &verdicts, &["own-capability", "credential", "capability-key", "store", "other-environments", "host"]);
+    let verdicts = attack(Placement::Kubernetes, true, false).await;
+    expect(
+        "kubernetes, job_dockerd = true",
+        &verdicts,
+        &["own-capability", "credential", "capability-key", "store", "other-environments", "host", "user-namespace"],
+    );
 }
 
 /// A sandbox of opensandbox-server's Docker runtime (an unprivileged container, no
@@ -499,6 +594,15 @@ async fn a_privileged_kubernetes_pod_gives_a_hostile_job_its_node() {
 /// Kubernetes mode. (With Kata the sandbox is a VM; not on this machine.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_opensandbox_sandbox_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Sandbox, false).await;
+    let verdicts = attack(Placement::Sandbox, false, false).await;
     expect("vm.opensandbox (Docker runtime), development-mode TCP facade", &verdicts, &[]);
+}
+
+/// The default Kubernetes mode as production runs it: SPIRE gives each Pod the SVID of its
+/// own entry, and the facade listens with mTLS. The step asks the node's agent for the
+/// victim's SVID and reaches the facade without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_kubernetes_mode_with_spire_holds_against_a_hostile_job() {
+    let verdicts = attack(Placement::Kubernetes, false, true).await;
+    expect("kubernetes (default), SPIRE and the mTLS facade", &verdicts, &[]);
 }
