@@ -176,14 +176,26 @@ impl Cluster {
     /// The runner image of `variant`, imported into the node's containerd; its reference.
     pub fn image(&self, variant: &str) -> String {
         let (tag, tar) = crate::paths::image(variant);
+        self.import(&tag, &tar);
+        tag
+    }
+
+    /// The image `tag` from its archive `tar`, imported into the node's containerd once.
+    pub fn import(&self, tag: &str, tar: &Path) {
         let mut loaded = self.loaded.lock().unwrap();
-        if !loaded.contains(&tag) {
+        if !loaded.contains(tag) {
             let socket = self.run_dir().join("containerd/containerd.sock");
             let output = run("ctr", &["--address", &socket.display().to_string(), "-n", "k8s.io", "images", "import", &tar.display().to_string()]);
             assert!(output.status.success(), "ctr images import {}: {}", tar.display(), String::from_utf8_lossy(&output.stderr));
-            loaded.insert(tag.clone());
+            loaded.insert(tag.to_owned());
         }
-        tag
+    }
+
+    /// The API server's port on the host (the test cluster's API listens on 127.0.0.1).
+    pub fn api_port(&self) -> u16 {
+        let kubeconfig = std::fs::read_to_string(&self.kubeconfig).unwrap();
+        let server = kubeconfig.lines().find_map(|l| l.trim().strip_prefix("server: ")).expect("the kubeconfig names no server");
+        server.rsplit(':').next().unwrap().trim_end_matches('/').parse().expect("the API server's URL has no port")
     }
 
     /// A fresh namespace (with its default ServiceAccount, which Pods need).
@@ -214,5 +226,52 @@ impl crate::SharedPeer for Cluster {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
+    }
+}
+
+/// SPIRE for the cluster's node: a real server, and an agent with the `k8s` workload
+/// attestor, which asks this node's kubelet which Pod a caller is in. The kubelet
+/// listens on 127.0.0.1 only here, and the admin certificate is authorised by its
+/// webhook (a node's agent would use its own credential).
+pub struct NodeSpire {
+    pub server: testkit::spire::SpireServer,
+    pub agent: testkit::spire::SpireAgent,
+}
+
+impl NodeSpire {
+    pub const TRUST_DOMAIN: &str = "e2e.test";
+    /// The agent's SPIFFE ID: the parent of every entry made here.
+    pub const AGENT: &str = "spiffe://e2e.test/gdr/k8s-node";
+
+    pub fn start(cluster: &Cluster) -> NodeSpire {
+        let pki = cluster.kubeconfig.parent().unwrap().to_owned();
+        let server = testkit::spire::SpireServer::start(Self::TRUST_DOMAIN);
+        let attestor = format!(
+            "  WorkloadAttestor \"k8s\" {{\n    plugin_data {{\n      kubelet_secure_port = 30250\n      skip_kubelet_verification = true\n      certificate_path = \"{}\"\n      private_key_path = \"{}\"\n    }}\n  }}",
+            pki.join("admin.crt").display(),
+            pki.join("admin.key").display()
+        );
+        let agent = testkit::spire::SpireAgent::start_with(&server, Self::AGENT, &attestor);
+        NodeSpire { server, agent }
+    }
+
+    /// An entry for `id` under the node's agent.
+    pub fn entry(&self, id: &str, selectors: &[String]) {
+        let mut args = vec!["entry", "create", "-parentID", Self::AGENT, "-spiffeID", id];
+        for selector in selectors {
+            args.extend(["-selector", selector.as_str()]);
+        }
+        let output = self.server.cli(&args);
+        assert!(output.status.success(), "spire-server entry create {id}: {}", String::from_utf8_lossy(&output.stderr));
+    }
+
+    /// The controller's `[kubernetes.spire]` and mTLS facade, the controller being `controller_id`.
+    pub fn for_pods(&self, controller_id: &str) -> crate::stack::PodSpire {
+        crate::stack::PodSpire {
+            server_socket: self.server.socket(),
+            agent_socket: self.agent.socket(),
+            controller_id: controller_id.into(),
+            parent_id: Self::AGENT.into(),
+        }
     }
 }

@@ -65,3 +65,20 @@ pub fn controller() -> PathBuf {
     assert!(path.exists(), "{} is missing: build it with cargo build -p controller (cargo test --workspace --bins does)", path.display());
     path
 }
+
+/// The controller image of `scripts/build-controller-image` from the static controller:
+/// its tag and archive. `cache`: where the script keeps its output (default: the peers'
+/// cache).
+pub fn controller_image(cache: Option<&std::path::Path>) -> (String, PathBuf) {
+    let mut command = Command::new(repository().join("scripts/build-controller-image"));
+    command.env("CONTROLLER_BIN", static_controller());
+    if let Some(cache) = cache {
+        command.env("PEERS_CACHE", cache);
+    }
+    let output = command.output().expect("scripts/build-controller-image cannot run");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "scripts/build-controller-image failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let line = stdout.lines().rev().find(|l| l.starts_with("image ")).expect("no `image` line");
+    let mut words = line.split_whitespace().skip(1);
+    (words.next().unwrap().to_owned(), PathBuf::from(words.next().unwrap()))
+}

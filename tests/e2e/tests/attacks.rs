@@ -24,7 +24,7 @@ use controller::{
 };
 use e2e::{
     docker::host,
-    kubernetes::{Cluster, cluster},
+    kubernetes::{Cluster, NodeSpire, cluster},
     stack::{Controller, Options, PodOptions, PodSpire, SandboxOptions},
 };
 use proto::{
@@ -34,7 +34,6 @@ use proto::{
 use testkit::{
     gitea::{Gitea, GiteaOptions, TaskInfo, strip_log_timestamps},
     opensandbox::OpenSandbox,
-    spire::{SpireAgent, SpireServer},
 };
 
 /// What the stack writes as the capability key (tests/e2e/src/stack.rs).
@@ -348,7 +347,7 @@ async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMa
     };
     let identities = match (spire, options.kubernetes.as_mut()) {
         (true, Some(pods)) => {
-            let (identities, pod_spire) = tokio::task::block_in_place(Identities::start);
+            let (identities, pod_spire) = tokio::task::block_in_place(identities);
             pods.spire = Some(pod_spire);
             Some(identities)
         }
@@ -384,7 +383,7 @@ async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMa
     assert!(matches!(record.state, State::Claimed { .. }), "{record:?}");
     // The victim's session exactly as the facade handed it out (over TCP bound to the
     // address the victim claimed from).
-    let victim_spiffe_id = format!("spiffe://{TRUST_DOMAIN}/ci/{}/{}/running", running_repo.owner, running_repo.name);
+    let victim_spiffe_id = format!("spiffe://{}/ci/{}/{}/running", NodeSpire::TRUST_DOMAIN, running_repo.owner, running_repo.name);
     let victim = if identities.is_some() {
         Peer::Spiffe(victim_spiffe_id.clone())
     } else {
@@ -464,33 +463,14 @@ async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMa
     verdicts
 }
 
-const TRUST_DOMAIN: &str = "e2e.test";
-
-/// A SPIRE server and an agent with the `k8s` workload attestor for the cluster's node,
-/// as `kubernetes.rs`'s mTLS test sets them up, and the controller's own entry.
-struct Identities {
-    _server: SpireServer,
-    _agent: SpireAgent,
-}
-
-impl Identities {
-    fn start() -> (Identities, PodSpire) {
-        const AGENT: &str = "spiffe://e2e.test/gdr/k8s-node";
-        const CONTROLLER: &str = "spiffe://e2e.test/gdr/controller";
-        let pki = cluster().kubeconfig.parent().unwrap().to_owned();
-        let server = SpireServer::start(TRUST_DOMAIN);
-        let attestor = format!(
-            "  WorkloadAttestor \"k8s\" {{\n    plugin_data {{\n      kubelet_secure_port = 30250\n      skip_kubelet_verification = true\n      certificate_path = \"{}\"\n      private_key_path = \"{}\"\n    }}\n  }}",
-            pki.join("admin.crt").display(),
-            pki.join("admin.key").display()
-        );
-        let agent = SpireAgent::start_with(&server, AGENT, &attestor);
-        let exe = std::env::current_exe().unwrap();
-        let entry = server.cli(&["entry", "create", "-parentID", AGENT, "-spiffeID", CONTROLLER, "-selector", &format!("unix:path:{}", exe.display())]);
-        assert!(entry.status.success(), "{}", String::from_utf8_lossy(&entry.stderr));
-        let pod_spire = PodSpire { server_socket: server.socket(), agent_socket: agent.socket(), controller_id: CONTROLLER.into(), parent_id: AGENT.into() };
-        (Identities { _server: server, _agent: agent }, pod_spire)
-    }
+/// SPIRE for the node, and the entry of the controller (this test process on the host).
+fn identities() -> (NodeSpire, PodSpire) {
+    const CONTROLLER: &str = "spiffe://e2e.test/gdr/controller";
+    let spire = NodeSpire::start(cluster());
+    let exe = std::env::current_exe().unwrap();
+    spire.entry(CONTROLLER, &[format!("unix:path:{}", exe.display())]);
+    let pods = spire.for_pods(CONTROLLER);
+    (spire, pods)
 }
 
 /// The address the running victim claimed from where the facade listens on TCP: its

@@ -6,23 +6,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::{collections::BTreeSet, path::PathBuf, process::Command};
+use std::{collections::BTreeSet, process::Command};
 
 use e2e::{docker::host, paths};
-
-/// Runs the script; returns the image's tag and tar.
-fn build(cache: &std::path::Path) -> (String, PathBuf) {
-    let output = Command::new(paths::repository().join("scripts/build-controller-image"))
-        .env("CONTROLLER_BIN", paths::static_controller())
-        .env("PEERS_CACHE", cache)
-        .output()
-        .expect("scripts/build-controller-image cannot run");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "scripts/build-controller-image failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    let line = stdout.lines().rev().find(|l| l.starts_with("image ")).expect("no `image` line");
-    let mut words = line.split_whitespace().skip(1);
-    (words.next().unwrap().to_owned(), PathBuf::from(words.next().unwrap()))
-}
 
 fn ok(output: &std::process::Output, what: &str) -> String {
     assert!(output.status.success(), "{what}: {}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
@@ -33,9 +19,9 @@ fn ok(output: &std::process::Output, what: &str) -> String {
 async fn the_controller_image_is_the_controller_alone_as_a_non_root_user() {
     let _turn = e2e::exclusive().await;
     let cache = tempfile::tempdir().unwrap();
-    let (tag, tar) = build(cache.path());
+    let (tag, tar) = paths::controller_image(Some(cache.path()));
     let bytes = std::fs::read(&tar).unwrap();
-    let (again_tag, again_tar) = build(cache.path());
+    let (again_tag, again_tar) = paths::controller_image(Some(cache.path()));
     assert_eq!((&again_tag, std::fs::read(&again_tar).unwrap() == bytes), (&tag, true), "a second build differs");
     let controller_size = std::fs::metadata(paths::static_controller()).unwrap().len();
     eprintln!("controller image {tag}: {} bytes; controller binary {controller_size} bytes", bytes.len());

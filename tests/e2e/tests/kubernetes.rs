@@ -19,7 +19,7 @@ use std::{
 };
 
 use e2e::{
-    kubernetes::{Cluster, cluster},
+    kubernetes::{Cluster, NodeSpire, cluster},
     stack::{Controller, Options, PodOptions},
 };
 use testkit::{
@@ -504,27 +504,15 @@ jobs:
 /// and claims over mTLS; the entry is gone with the Pod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_claims_its_job_over_mtls_with_the_svid_of_its_own_entry() {
-    use e2e::stack::PodSpire;
-    use testkit::spire::{SpireAgent, SpireServer};
-    const AGENT: &str = "spiffe://e2e.test/gdr/k8s-node";
     const CONTROLLER: &str = "spiffe://e2e.test/gdr/controller";
     let Setup { gitea, repo, namespace, mut options, _turn } = setup("identified-pod", 2).await;
-    let pki = cluster().kubeconfig.parent().unwrap().to_owned();
-    let spire = tokio::task::block_in_place(|| SpireServer::start("e2e.test"));
-    // The kubelet listens on 127.0.0.1 only here; the admin certificate is authorised by
-    // the kubelet's webhook (a node's agent would use its own credential).
-    let k8s_attestor = format!(
-        "  WorkloadAttestor \"k8s\" {{\n    plugin_data {{\n      kubelet_secure_port = 30250\n      skip_kubelet_verification = true\n      certificate_path = \"{}\"\n      private_key_path = \"{}\"\n    }}\n  }}",
-        pki.join("admin.crt").display(),
-        pki.join("admin.key").display()
-    );
-    let agent = tokio::task::block_in_place(|| SpireAgent::start_with(&spire, AGENT, &k8s_attestor));
+    let node = tokio::task::block_in_place(|| NodeSpire::start(cluster()));
     let exe = std::env::current_exe().unwrap();
-    let entry = spire.cli(&["entry", "create", "-parentID", AGENT, "-spiffeID", CONTROLLER, "-selector", &format!("unix:path:{}", exe.display())]);
-    assert!(entry.status.success(), "{}", String::from_utf8_lossy(&entry.stderr));
+    node.entry(CONTROLLER, &[format!("unix:path:{}", exe.display())]);
     if let Some(pods) = options.kubernetes.as_mut() {
-        pods.spire = Some(PodSpire { server_socket: spire.socket(), agent_socket: agent.socket(), controller_id: CONTROLLER.into(), parent_id: AGENT.into() });
+        pods.spire = Some(node.for_pods(CONTROLLER));
     }
+    let (spire, agent) = (&node.server, &node.agent);
     let controller = Controller::start(options).await;
 
     gitea.commit_workflow(&repo, "identified.yml", IDENTIFIED).await;
