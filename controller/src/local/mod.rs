@@ -59,6 +59,23 @@ pub struct RunLocal {
 ///
 /// # Errors
 /// When the workflow, the secrets or the Docker host cannot be used.
+/// The assignment of `task` and the rules it was made with, under either label policy:
+/// run-local accepts what a Gitea with either setting would.
+///
+/// # Errors
+/// The default policy's error when neither takes the job (its `runs-on` names no placement).
+pub fn assignment_for(task: proto::runner::v1::Task) -> Result<(Assignment, Rules), crate::assignment::envelope::AssignmentError> {
+    let trust_domain = "run-local.invalid".to_owned();
+    let default_rules = Rules { trust_domain: trust_domain.clone(), labels: LabelPolicy::default() };
+    match Assignment::from_task(task.clone(), &default_rules) {
+        Ok(assignment) => Ok((assignment, default_rules)),
+        Err(first) => {
+            let seed = Rules { trust_domain, labels: LabelPolicy::seed_compatible() };
+            Assignment::from_task(task, &seed).map(|assignment| (assignment, seed)).map_err(|_| first)
+        }
+    }
+}
+
 pub async fn run(args: RunLocal, interrupts: tokio::sync::mpsc::UnboundedReceiver<()>) -> anyhow::Result<u8> {
     let text = std::fs::read(&args.workflow).with_context(|| format!("--workflow {}", args.workflow.display()))?;
     let (job, payload, needs) = task::single_job(&text, args.job.as_deref())?;
@@ -68,19 +85,7 @@ pub async fn run(args: RunLocal, interrupts: tokio::sync::mpsc::UnboundedReceive
     let task_id = now_ms().max(1);
     let job_token = crate::assignment::capability::random_token().map_err(|_| anyhow::anyhow!("the system offers no randomness"))?;
     let task = task::task(task_id, payload, task::context(&run, &job, task_id), &needs, secrets, vars, &job_token);
-    // Either label policy: run-local accepts what a Gitea with either setting would.
-    let trust_domain = "run-local.invalid".to_owned();
-    let default_rules = Rules { trust_domain: trust_domain.clone(), labels: LabelPolicy::default() };
-    let (assignment, rules) = match Assignment::from_task(task.clone(), &default_rules) {
-        Ok(assignment) => (assignment, default_rules),
-        Err(first) => {
-            let seed = Rules { trust_domain, labels: LabelPolicy::seed_compatible() };
-            match Assignment::from_task(task, &seed) {
-                Ok(assignment) => (assignment, seed),
-                Err(_) => return Err(anyhow::Error::new(first).context(format!("job {job:?} cannot run"))),
-            }
-        }
-    };
+    let (assignment, rules) = assignment_for(task).with_context(|| format!("job {job:?} cannot run"))?;
     if assignment.placement != Placement::CONTAINER_DOCKER {
         eprintln!("run-local: job {job:?} asks for {}; running it in a local Docker container instead", assignment.placement);
     }

@@ -53,19 +53,33 @@ impl Default for RunContext {
     }
 }
 
+/// The workflow's document and its `jobs` mapping.
+fn parse(workflow: &[u8]) -> Result<(Mapping, Mapping), LocalError> {
+    let document: Value = serde_yaml_ng::from_slice(workflow).map_err(|e| LocalError::Yaml(e.to_string()))?;
+    let Value::Mapping(document) = document else {
+        return Err(LocalError::Yaml("the document is not a mapping".into()));
+    };
+    let Some(Value::Mapping(jobs)) = document.get("jobs").cloned() else {
+        return Err(LocalError::NoJobs);
+    };
+    Ok((document, jobs))
+}
+
+/// The workflow's job keys, in the file's order.
+///
+/// # Errors
+/// Invalid YAML or no `jobs` mapping.
+pub fn job_names(workflow: &[u8]) -> Result<Vec<String>, LocalError> {
+    Ok(parse(workflow)?.1.keys().filter_map(|k| k.as_str().map(str::to_owned)).collect())
+}
+
 /// The single-job workflow Gitea would send for `job` (or the only job): the file's
 /// top-level keys with `jobs` reduced to that job. Returns (job key, payload, needs).
 ///
 /// # Errors
 /// Invalid YAML, no jobs, several jobs without `job`, or an unknown job.
 pub fn single_job(workflow: &[u8], job: Option<&str>) -> Result<(String, Vec<u8>, Vec<String>), LocalError> {
-    let document: Value = serde_yaml_ng::from_slice(workflow).map_err(|e| LocalError::Yaml(e.to_string()))?;
-    let Value::Mapping(mut document) = document else {
-        return Err(LocalError::Yaml("the document is not a mapping".into()));
-    };
-    let Some(Value::Mapping(jobs)) = document.get("jobs").cloned() else {
-        return Err(LocalError::NoJobs);
-    };
+    let (mut document, jobs) = parse(workflow)?;
     let keys: Vec<String> = jobs.keys().filter_map(|k| k.as_str().map(str::to_owned)).collect();
     let key = match (job, keys.as_slice()) {
         (_, []) => return Err(LocalError::NoJobs),

@@ -86,3 +86,36 @@ async fn ctrl_c_cancels_the_job_and_removes_its_environment() {
     eprintln!("Ctrl-C → run-local exited after {:?}", interrupted.elapsed());
     assert!(local_environments().is_empty(), "the environment was left behind: {:?}", local_environments());
 }
+
+/// The project's own workflows (`.gitea/workflows/`) and the examples, as run-local reads
+/// them: every job parses into a task and its `runs-on` names a placement (run-local
+/// refuses one that does not before any environment starts).
+#[test]
+fn the_projects_own_workflows_parse_and_name_a_placement() {
+    use controller::local::{
+        assignment_for,
+        task::{self, RunContext},
+    };
+    let mut seen = Vec::new();
+    for dir in [".gitea/workflows", "examples"] {
+        for entry in std::fs::read_dir(paths::repository().join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read(&path).unwrap();
+            let jobs = task::job_names(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for job in jobs {
+                let (key, payload, needs) = task::single_job(&text, Some(&job)).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let context = task::context(&RunContext::default(), &key, 1);
+                let task = task::task(1, payload, context, &needs, Default::default(), Default::default(), "job-token");
+                let (assignment, _) = assignment_for(task).unwrap_or_else(|e| panic!("{}: job {job}: {e}", path.display()));
+                seen.push(format!("{}: {job} → {}", path.strip_prefix(paths::repository()).unwrap().display(), assignment.placement));
+            }
+        }
+    }
+    seen.sort();
+    println!("{}", seen.join("\n"));
+    for expected in
+        [".gitea/workflows/ci.yml: test", ".gitea/workflows/release.yml: images", ".gitea/workflows/release.yml: smoke", "examples/hello.yml: hello"]
+    {
+        assert!(seen.iter().any(|s| s.starts_with(expected)), "{expected} missing from {seen:?}");
+    }
+}
