@@ -26,12 +26,23 @@ pub enum Command {
     /// The agent half of `run` (started by PID 1 as the runner uid; not for direct use).
     #[command(hide = true)]
     Agent,
-    /// gitea-runner's job-started hook: wait until identity and dockerd are ready.
+    /// gitea-runner's job-started hook: wait until the identity is ready and dockerd's socket takes connections.
     JobStarted(JobStartedArgs),
     /// Diagnose this environment: independent checks with PASS/FAIL/SKIP.
     Doctor(Box<DoctorArgs>),
+    /// Exec PROGRAM with the socket on fd 3 announced the systemd way (LISTEN_FDS=1,
+    /// LISTEN_PID=its pid), for `dockerd -H fd://` (started by PID 1; not for direct use).
+    #[command(hide = true)]
+    Activate(ActivateArgs),
     /// Print the version.
     Version,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ActivateArgs {
+    pub program: PathBuf,
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<std::ffi::OsString>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
@@ -40,7 +51,7 @@ pub enum RunnerHooks {
     Auto,
     /// The runner runs `supervisor job-started` before the first step.
     JobStarted,
-    /// No hook: hand the task over only once dockerd is ready.
+    /// No hook: hand the task over only once dockerd's socket takes connections.
     None,
 }
 
@@ -150,8 +161,8 @@ pub struct RunArgs {
     #[arg(long, value_parser = parse_http_url)]
     pub gitea_url: Option<String>,
     /// Whether the runner runs `supervisor job-started` before the first step (its
-    /// job-started hook). Without it the loopback holds the task back until dockerd is
-    /// ready. auto: gitea-runner v3 and later have hooks (the image configures this one).
+    /// job-started hook). Without it the loopback holds the task back until dockerd's
+    /// socket takes connections. auto: gitea-runner v3 and later have hooks (the image configures this one).
     #[arg(long, env = "SUPERVISOR_RUNNER_HOOKS", value_enum, default_value_t = RunnerHooks::Auto)]
     pub runner_hooks: RunnerHooks,
 
@@ -164,7 +175,7 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_STATE_DIR", default_value = "/run/supervisor", value_parser = parse_absolute)]
     pub state_dir: PathBuf,
 
-    /// The job command, run as the runner uid once identity and dockerd are ready.
+    /// The job command, run as the runner uid once the identity is ready and dockerd's socket takes connections.
     #[arg(trailing_var_arg = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
 }

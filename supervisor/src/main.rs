@@ -45,6 +45,7 @@ fn main() -> ExitCode {
             }
             doctor::run(&args.settings(), args.json)
         }
+        Command::Activate(args) => pid1::dockerd::activate(&args),
         Command::Version => {
             println!("supervisor {}", env!("CARGO_PKG_VERSION"));
             0

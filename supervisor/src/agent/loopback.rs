@@ -8,7 +8,7 @@
 //! - FetchTask returns the claimed Task — again on every FetchTask until the runner
 //!   first reports on it, so a reply lost on the way (a timeout) cannot strand the
 //!   environment — then nothing. A runner without job hooks (act_runner, gitea-runner
-//!   before v3) gets the task only once dockerd is ready, held inside its fetch
+//!   before v3) gets the task only once dockerd's socket takes connections, held inside its fetch
 //!   timeout, since nothing else would keep its first step from starting earlier.
 //! - UpdateTask and UpdateLog go to the controller's facade through [`Upstream`], cut
 //!   into pieces under the facade's limit where a runner's backlog is larger
@@ -148,7 +148,7 @@ pub struct Served {
     pub gitea_capabilities: String,
     pub upstream: Arc<dyn Upstream>,
     pub hooks: RunnerHooks,
-    /// True once the job's steps may run (dockerd ready, or no dockerd).
+    /// True once the job's steps may run (dockerd's socket takes connections, or no dockerd).
     pub steps_may_run: watch::Receiver<bool>,
     /// Set once the environment was told to stop (SIGTERM or SIGINT passed on to the
     /// runner) while the job ran.
@@ -238,7 +238,7 @@ pub fn router(served: Served) -> Router {
                     let mut ready = served.steps_may_run.clone();
                     let _ = tokio::time::timeout(budget, ready.wait_for(|ready| *ready)).await;
                     if !*ready.borrow() {
-                        tracing::info!("holding the task back until dockerd is ready (the runner has no job-started hook)");
+                        tracing::info!("holding the task back until dockerd's socket takes connections (the runner has no job-started hook)");
                         return Ok(Response::new(FetchTaskResponse { task: None, tasks_version: 1 }));
                     }
                 }

@@ -166,16 +166,18 @@ async fn run(config: AgentConfig) -> u8 {
     if config.docker {
         let state = state.clone();
         tasks.spawn(async move {
-            let status =
-                tokio::task::spawn_blocking(read_docker_report).await.unwrap_or_else(|error| Status::Failed(format!("reading PID 1's report failed: {error}")));
-            state.send_modify(|r| r.docker = status);
+            let reported = state.clone();
+            let read = tokio::task::spawn_blocking(move || read_docker_reports(|status| reported.send_modify(|r| r.docker = status))).await;
+            if let Err(error) = read {
+                state.send_modify(|r| r.docker = Status::Failed(format!("reading PID 1's report failed: {error}")));
+            }
         });
     }
 
     let code = 'outcome: {
         let mut watching = readiness.clone();
         // With a facade the runner starts once claimed; the job-started hook holds the
-        // first step until dockerd is ready, so dockerd's start overlaps the runner's.
+        // first step until dockerd's socket takes connections (dockerd starts behind it).
         let needs_docker = config.facade.is_none();
         loop {
             let mut now = watching.borrow_and_update().clone();
@@ -190,7 +192,8 @@ async fn run(config: AgentConfig) -> u8 {
                 tracing::error!("agent: {}", now.docker);
                 break 'outcome exit::DOCKER;
             }
-            if now.is_ready() {
+            // Without a facade, COMMAND is started only once dockerd answers (it may need Docker at once).
+            if now.is_ready() && now.docker.is_final() {
                 break;
             }
             tokio::select! {
@@ -287,7 +290,7 @@ async fn serve_the_runner(
             return exit::USAGE;
         }
     };
-    // Steps may run once dockerd is ready (or failed: the job then says so itself).
+    // Steps may run once dockerd's socket takes connections (or dockerd failed: the job then says so itself).
     let (steps_may_run, steps_receiver) = watch::channel(false);
     let steps_watch = {
         let mut readiness = readiness.clone();
@@ -323,7 +326,7 @@ async fn serve_the_runner(
     let docker_reporter = {
         let (client, mut readiness) = (client.clone(), readiness);
         tokio::spawn(async move {
-            let docker = readiness.wait_for(|r| !matches!(r.docker, Status::Waiting(_))).await.map(|r| r.docker.clone());
+            let docker = readiness.wait_for(|r| r.docker.is_final()).await.map(|r| r.docker.clone());
             match docker {
                 Ok(Status::Ready(detail)) => client.report(Phase::DockerReady, &detail, 0).await,
                 Ok(Status::Failed(detail)) => client.report(Phase::Failed, &format!("dockerd: {detail}"), 0).await,
@@ -429,29 +432,40 @@ async fn run_job(config: &AgentConfig, cwd: Option<&Path>, signals: &mut Signals
     }
 }
 
-/// Reads PID 1's one-line report about dockerd from [`DOCKER_FD`].
-fn read_docker_report() -> Status {
+/// Reads PID 1's reports about dockerd from [`DOCKER_FD`], one line each, until the
+/// last (`ready` or `failed`), passing each on.
+fn read_docker_reports(mut report: impl FnMut(Status)) {
     // SAFETY: fd 3 was installed by PID 1 (dup2 in the pre-exec step) for this
     // process alone; fcntl confirms it is open before ownership is taken, and nothing
     // else in the agent uses fd 3.
     let open = unsafe { libc::fcntl(DOCKER_FD, libc::F_GETFD) } != -1;
     if !open {
-        return Status::Failed("PID 1 gave the agent no dockerd report channel (fd 3)".into());
+        return report(Status::Failed("PID 1 gave the agent no dockerd report channel (fd 3)".into()));
     }
     // SAFETY: see above; the fd is open and owned by nobody else in this process.
     let fd = unsafe { OwnedFd::from_raw_fd(DOCKER_FD) };
-    let mut line = String::new();
-    match BufReader::new(std::fs::File::from(fd)).read_line(&mut line) {
-        Ok(0) => Status::Failed("PID 1 closed the dockerd report channel without a word".into()),
-        Ok(_) => parse_docker_report(&line),
-        Err(error) => Status::Failed(format!("reading PID 1's dockerd report failed: {error}")),
+    let mut reader = BufReader::new(std::fs::File::from(fd));
+    loop {
+        let mut line = String::new();
+        let status = match reader.read_line(&mut line) {
+            Ok(0) => Status::Failed("PID 1 closed the dockerd report channel without a final word".into()),
+            Ok(_) => parse_docker_report(&line),
+            Err(error) => Status::Failed(format!("reading PID 1's dockerd report failed: {error}")),
+        };
+        let last = status.is_final();
+        report(status);
+        if last {
+            return;
+        }
     }
 }
 
-/// `ready <detail>` or `failed <detail>`.
+/// `listening <detail>` (dockerd starts behind its socket), then `ready <detail>` or
+/// `failed <detail>`.
 pub fn parse_docker_report(line: &str) -> Status {
     let line = line.trim_end();
     match line.split_once(' ').unwrap_or((line, "")) {
+        ("listening", detail) => Status::Starting(detail.to_owned()),
         ("ready", detail) => Status::Ready(detail.to_owned()),
         ("failed", detail) => Status::Failed(detail.to_owned()),
         _ => Status::Failed(format!("unreadable dockerd report {line:?}")),
@@ -540,6 +554,7 @@ mod tests {
             ("ready /var/run/docker.sock answered in 412ms\n", Status::Ready("/var/run/docker.sock answered in 412ms".into())),
             ("failed dockerd exited with 1\n", Status::Failed("dockerd exited with 1".into())),
             ("ready\n", Status::Ready(String::new())),
+            ("listening /var/run/docker.sock\n", Status::Starting("/var/run/docker.sock".into())),
             ("bogus\n", Status::Failed("unreadable dockerd report \"bogus\"".into())),
         ];
         for (line, want) in table {

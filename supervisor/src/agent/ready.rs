@@ -13,13 +13,22 @@ pub enum Status {
     /// Not required in this environment.
     Off,
     Waiting(String),
+    /// dockerd is starting behind its socket, which already takes connections: a
+    /// `docker` call waits for dockerd instead of failing, so steps need not wait.
+    Starting(String),
     Ready(String),
     Failed(String),
 }
 
 impl Status {
+    /// Whether what needs it may go on (a starting dockerd counts: see [`Status::Starting`]).
     pub fn is_ready(&self) -> bool {
-        matches!(self, Status::Off | Status::Ready(_))
+        matches!(self, Status::Off | Status::Starting(_) | Status::Ready(_))
+    }
+
+    /// Whether nothing more will change.
+    pub fn is_final(&self) -> bool {
+        matches!(self, Status::Off | Status::Ready(_) | Status::Failed(_))
     }
 
     pub fn is_failed(&self) -> bool {
@@ -32,6 +41,7 @@ impl std::fmt::Display for Status {
         match self {
             Status::Off => f.write_str("off"),
             Status::Waiting(detail) => write!(f, "waiting ({detail})"),
+            Status::Starting(detail) => write!(f, "starting ({detail})"),
             Status::Ready(detail) => write!(f, "ready ({detail})"),
             Status::Failed(detail) => write!(f, "failed ({detail})"),
         }
@@ -90,5 +100,14 @@ mod tests {
         assert!(!readiness.is_ready());
         assert!(readiness.is_settled());
         assert_eq!(readiness.missing(), "identity: waiting (no identity issued); dockerd: failed (dockerd exited with 1)");
+    }
+
+    #[test]
+    fn a_starting_dockerd_holds_nothing_back() {
+        let readiness = Readiness { identity: Status::Ready("spiffe://example.org/ci/o/r/j".into()), docker: Status::Starting("socket bound".into()) };
+        assert!(readiness.is_ready() && readiness.is_settled());
+        assert!(!readiness.docker.is_final());
+        let json = serde_json::to_string(&readiness.docker).unwrap();
+        assert_eq!(json, r#"{"state":"starting","detail":"socket bound"}"#);
     }
 }

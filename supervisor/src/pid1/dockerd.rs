@@ -1,12 +1,15 @@
-//! The job-local dockerd: its command line (pure), its readiness probe, its log.
+//! The job-local dockerd: its socket, its command line (pure), its readiness probe, its
+//! log.
 //!
-//! Readiness is `GET /_ping` answering 200 `OK` on the unix socket: dockerd listens
-//! before it serves, so the socket existing proves nothing (moby daemon start-up).
+//! PID 1 binds dockerd's socket itself, before anything of the job runs, and hands it
+//! to dockerd (`-H fd://`, systemd's socket activation): a `docker` call made while
+//! dockerd is still starting waits in the socket's backlog instead of failing, so no
+//! step has to wait for dockerd. Readiness is `GET /_ping` answering 200 `OK`.
 
 use std::{
     ffi::OsString,
     io::{Read, Write},
-    os::unix::net::UnixStream,
+    os::unix::net::{UnixListener, UnixStream},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -19,21 +22,19 @@ pub struct DockerdConfig {
     pub dockerd: PathBuf,
     pub data_root: PathBuf,
     pub exec_root: PathBuf,
-    pub socket: PathBuf,
     pub pidfile: PathBuf,
-    pub group: u32,
     pub bridge: Bridge,
     /// dockerd's own budget for stopping containers on SIGTERM.
     pub shutdown_timeout: Duration,
     pub mtu: Option<u32>,
 }
 
-/// dockerd's arguments: job-local paths, explicit cgroupfs driver (dockerd would pick
-/// systemd on v2 if /run/systemd/system exists), overlay2 storage, no TCP listener.
+/// dockerd's arguments: the socket PID 1 passes it (fd 3), job-local paths, explicit
+/// cgroupfs driver (dockerd would pick systemd on v2 if /run/systemd/system exists),
+/// overlay2 storage, no TCP listener.
 pub fn args(config: &DockerdConfig) -> Vec<OsString> {
     let mut args: Vec<OsString> = vec![
-        format!("--host=unix://{}", config.socket.display()).into(),
-        format!("--group={}", config.group).into(),
+        "--host=fd://".into(),
         arg_path("--data-root=", &config.data_root),
         arg_path("--exec-root=", &config.exec_root),
         arg_path("--pidfile=", &config.pidfile),
@@ -56,6 +57,38 @@ pub fn args(config: &DockerdConfig) -> Vec<OsString> {
         }
     }
     args
+}
+
+/// dockerd's socket at `path`, owned by root and the docker group `group` (mode 0660),
+/// a stale one removed first.
+///
+/// # Errors
+/// When the old socket cannot be removed or the new one bound or given its owner.
+pub fn bind_socket(path: &Path, group: u32) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt as _;
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    let listener = UnixListener::bind(path)?;
+    std::os::unix::fs::chown(path, Some(0), Some(group))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    Ok(listener)
+}
+
+/// The fd on which the started program finds its socket (systemd's first).
+pub const LISTEN_FD: i32 = 3;
+
+/// `supervisor activate PROGRAM ARGS…`: becomes PROGRAM with [`LISTEN_FD`] announced
+/// as systemd does. Hand-written because `LISTEN_PID` must be the pid of the process
+/// that reads it, which PID 1 only learns after the fork — and after the fork a
+/// `Command`'s environment is fixed — so this process sets it for itself and execs.
+pub fn activate(args: &crate::cli::ActivateArgs) -> u8 {
+    use std::os::unix::process::CommandExt as _;
+    let error = std::process::Command::new(&args.program).args(&args.args).env("LISTEN_FDS", "1").env("LISTEN_PID", std::process::id().to_string()).exec();
+    eprintln!("supervisor activate: cannot run {}: {error}", args.program.display());
+    crate::exit::spawn_failure(&error)
 }
 
 fn arg_path(flag: &str, path: &Path) -> OsString {
@@ -130,9 +163,7 @@ mod tests {
             dockerd: "dockerd".into(),
             data_root: "/var/lib/docker".into(),
             exec_root: "/var/run/docker".into(),
-            socket: "/var/run/docker.sock".into(),
             pidfile: "/var/run/docker.pid".into(),
-            group: 2001,
             bridge,
             shutdown_timeout: Duration::from_secs(10),
             mtu,
@@ -148,8 +179,7 @@ mod tests {
         assert_eq!(
             strings(args(&config(Bridge::Default, None))),
             [
-                "--host=unix:///var/run/docker.sock",
-                "--group=2001",
+                "--host=fd://",
                 "--data-root=/var/lib/docker",
                 "--exec-root=/var/run/docker",
                 "--pidfile=/var/run/docker.pid",

@@ -17,7 +17,7 @@ use std::{
     io::Write,
     os::{
         fd::{AsRawFd, OwnedFd},
-        unix::{fs::PermissionsExt, process::CommandExt},
+        unix::fs::PermissionsExt,
     },
     path::PathBuf,
     process::{Command, ExitStatus, Stdio},
@@ -83,12 +83,27 @@ impl Supervisor {
             tracing::error!(dir = %agent_dir.display(), %error, "cannot prepare the state directory");
             return exit::INTERNAL;
         }
+        // dockerd's socket before anything of the job runs: a `docker` call then waits
+        // for dockerd instead of failing, so no step waits for it (pid1::dockerd).
+        let socket = self.args.environment.docker.then(|| {
+            let path = &self.args.environment.docker_socket;
+            dockerd::bind_socket(path, self.args.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()))
+        });
         let report = match self.start_agent(&agent_dir) {
             Ok(report) => report,
             Err(code) => return code,
         };
         if let Some(report) = report {
-            let outcome = self.start_docker();
+            let mut pipe = fs::File::from(report);
+            if let Some(Ok(_)) = &socket {
+                let line = format!("listening {} takes connections; dockerd starts behind it\n", self.args.environment.docker_socket.display());
+                let _ = pipe.write_all(line.as_bytes());
+            }
+            let outcome = match socket {
+                Some(Ok(listener)) => self.start_docker(listener),
+                Some(Err(reason)) => Err(Some(reason)),
+                None => Err(Some("dockerd is off".to_owned())),
+            };
             let line = match &outcome {
                 Ok(detail) => format!("ready {detail}\n"),
                 Err(Some(reason)) => format!("failed {reason}\n"),
@@ -99,7 +114,6 @@ impl Supervisor {
                 Err(Some(reason)) => tracing::error!("dockerd is not available: {reason}"),
                 Err(None) => {}
             }
-            let mut pipe = fs::File::from(report);
             // The agent may already be gone; that is handled by the event loop.
             let _ = pipe.write_all(line.as_bytes());
         }
@@ -186,22 +200,8 @@ impl Supervisor {
             (None, None)
         };
         if let Some(read) = &read {
-            let fd = read.as_raw_fd();
-            // SAFETY: dup2 is async-signal-safe; it gives the child the pipe's read end
-            // as fd 3 without CLOEXEC, which is the agent's documented report channel.
-            unsafe {
-                command.pre_exec(move || {
-                    if fd != agent::DOCKER_FD {
-                        if libc::dup2(fd, agent::DOCKER_FD) < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                    } else {
-                        let flags = libc::fcntl(fd, libc::F_GETFD);
-                        libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
-                    }
-                    Ok(())
-                });
-            }
+            // The agent's documented report channel.
+            spawn::pass_fd(&mut command, read.as_raw_fd(), agent::DOCKER_FD);
         }
         match self.pid1.spawn(&mut command) {
             Ok(pid) => {
@@ -217,8 +217,10 @@ impl Supervisor {
         }
     }
 
-    /// Storage, then dockerd until `/_ping` answers. `Err(None)` = interrupted.
-    fn start_docker(&mut self) -> Result<String, Option<String>> {
+    /// Storage, then dockerd on `listener` until `/_ping` answers. `Err(None)` =
+    /// interrupted. PID 1 keeps no copy of the socket: without dockerd, a `docker` call
+    /// is refused rather than left waiting.
+    fn start_docker(&mut self, listener: std::os::unix::net::UnixListener) -> Result<String, Option<String>> {
         let storage_config = StorageConfig {
             mountpoint: self.args.environment.docker_data_root.clone(),
             image_path: self.args.storage_image.clone(),
@@ -249,15 +251,15 @@ impl Supervisor {
             dockerd: self.args.dockerd.clone(),
             data_root: self.args.environment.docker_data_root.clone(),
             exec_root: self.args.docker_exec_root.clone(),
-            socket: self.args.environment.docker_socket.clone(),
             pidfile: self.args.docker_pidfile.clone(),
-            group: self.args.docker_gid,
             bridge: self.args.docker_bridge,
             shutdown_timeout: self.dockerd_shutdown_timeout(),
             mtu: dockerd::uplink_mtu(std::path::Path::new("/sys/class/net")),
         };
-        let mut command = Command::new(&config.dockerd);
-        command.args(dockerd::args(&config)).stdin(Stdio::null());
+        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+        let mut command = Command::new(exe);
+        command.arg("activate").arg(&config.dockerd).args(dockerd::args(&config)).stdin(Stdio::null());
+        spawn::pass_fd(&mut command, listener.as_raw_fd(), dockerd::LISTEN_FD);
         // dockerd needs none of the environment contract (its capability least of all).
         for name in contract::environment::ALL {
             command.env_remove(name);
@@ -272,6 +274,7 @@ impl Supervisor {
             Ok(pid) => pid,
             Err(error) => return Err(Some(format!("cannot start {}: {error}", config.dockerd.display()))),
         };
+        drop(listener);
         self.dockerd = Some(pid);
         tracing::info!(%pid, "dockerd started");
 

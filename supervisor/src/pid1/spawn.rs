@@ -47,3 +47,23 @@ pub fn prepare(command: &mut Command, who: Option<Credentials>) {
         });
     }
 }
+
+/// Gives the child `fd` as `target` without close-on-exec: how PID 1 hands the agent its
+/// dockerd report pipe and dockerd its socket. Nothing else of PID 1's reaches a child
+/// (std opens every fd close-on-exec).
+pub fn pass_fd(command: &mut Command, fd: std::os::fd::RawFd, target: std::os::fd::RawFd) {
+    // SAFETY: dup2 and fcntl are async-signal-safe and touch only the child's table.
+    unsafe {
+        command.pre_exec(move || {
+            if fd == target {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(fd, target) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}

@@ -1,5 +1,7 @@
 //! `supervisor job-started`: gitea-runner's job-started hook. It runs as the runner
-//! uid before the first step and blocks it until identity and dockerd are ready, by
+//! uid before the first step and blocks it until the identity is ready and dockerd's
+//! socket takes connections (dockerd itself may still be starting: a `docker` call waits
+//! for it), by
 //! asking the agent over its unix socket; a non-zero exit fails the job with the
 //! message printed here.
 

@@ -255,7 +255,7 @@ fn facade(paths: &Paths) -> Outcome {
 /// The runner binary, its version, and whether the first step waits for the
 /// environment: by the job-started hook (gitea-runner v3 and later, which read
 /// `runner.hooks.job_started`), or, for runners without hooks (act_runner, which ignores
-/// the key), by the supervisor holding the task back until dockerd is ready.
+/// the key), by the supervisor holding the task back until dockerd's socket takes connections.
 fn runner(paths: &Paths) -> Outcome {
     const ID: &str = "runner";
     let binary = which(&paths.runner);
@@ -284,7 +284,10 @@ fn runner(paths: &Paths) -> Outcome {
         Ok(_) if has_hooks => Outcome::pass(ID, format!("{what} with {} (job_started hook set)", paths.runner_config.display())),
         Ok(_) => Outcome::pass(
             ID,
-            format!("{what} has no job hooks: the supervisor hands it the task only once dockerd is ready ({})", paths.runner_config.display()),
+            format!(
+                "{what} has no job hooks: the supervisor hands it the task only once dockerd's socket takes connections ({})",
+                paths.runner_config.display()
+            ),
         ),
     }
 }
