@@ -37,36 +37,64 @@ pub enum Command {
     /// Run one job of a workflow file here, in a local Docker container from the runner
     /// image, with no Gitea: the log streams to the terminal and the exit code is the
     /// job's (0 success, 1 failure, 130 cancelled). Ctrl-C cancels the job.
-    RunLocal(RunLocalArgs),
+    RunLocal(Box<RunLocalArgs>),
     /// Print the version and the protocols this build speaks.
     Version,
 }
 
-#[derive(Debug, clap::Args)]
+/// `controller run-local`: what to run and with what, the way `act` takes it.
+#[derive(Debug, Clone, clap::Args)]
 pub struct RunLocalArgs {
     /// The workflow file (e.g. examples/hello.yml).
     #[arg(long, value_name = "FILE")]
     pub workflow: PathBuf,
-    /// The job to run, when the workflow has several.
-    #[arg(long, value_name = "ID")]
+    /// Run only this job (the jobs it needs count as succeeded, without outputs).
+    #[arg(long, short = 'j', value_name = "ID")]
     pub job: Option<String>,
+    /// Print the jobs, what each needs, its matrix size and its placement; run nothing.
+    #[arg(long, short = 'l')]
+    pub list: bool,
+    /// How many jobs run at once (jobs that do not need each other run in parallel).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub parallel: usize,
+    /// Keep only the matrix combinations whose KEY is VALUE (repeatable).
+    #[arg(long, value_name = "KEY:VALUE")]
+    pub matrix: Vec<String>,
+    /// The event (github.event_name); default: the workflow's first `on:` event.
+    #[arg(long, value_name = "NAME")]
+    pub event: Option<String>,
+    /// The event's payload (github.event), a JSON object.
+    #[arg(long, short = 'e', value_name = "FILE")]
+    pub event_file: Option<PathBuf>,
+    /// A workflow_dispatch input (repeatable); the workflow's defaults fill the rest.
+    #[arg(long = "input", value_name = "NAME=VALUE")]
+    pub inputs: Vec<String>,
     /// A secret whose value is read from FILE (repeatable); never from the command line.
     #[arg(long = "secret", value_name = "NAME=@FILE")]
     pub secrets: Vec<String>,
+    /// Secrets from a dotenv file (NAME=VALUE lines).
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
     /// A `vars` value (repeatable).
     #[arg(long = "var", value_name = "NAME=VALUE")]
     pub vars: Vec<String>,
+    /// `vars` from a dotenv file.
+    #[arg(long, value_name = "FILE")]
+    pub var_file: Option<PathBuf>,
+    /// Environment for every job from a dotenv file (the workflow's `env:` wins).
+    #[arg(long, value_name = "FILE")]
+    pub env_file: Option<PathBuf>,
     /// The runner image (scripts/build-image tags it gitea-dynamic-runner/runner:latest).
     #[arg(long, env = "GDR_RUNNER_IMAGE", default_value = "gitea-dynamic-runner/runner:latest")]
     pub image: String,
-    /// The Docker API socket of the host that runs the environment.
+    /// The Docker API socket of the host that runs the environments.
     #[arg(long, env = "GDR_DOCKER_SOCKET", default_value = "/var/run/docker.sock")]
     pub docker_socket: String,
-    /// Start the environment with --privileged instead of the explicit capability list
+    /// Start the environments with --privileged instead of the explicit capability list
     /// (some hosts refuse --privileged).
     #[arg(long)]
     pub privileged: bool,
-    /// The repository the job believes it runs for (owner/name).
+    /// The repository the jobs believe they run for (owner/name).
     #[arg(long, default_value = "local/workflow")]
     pub repository: String,
 }

@@ -65,17 +65,7 @@ pub fn run(cli: cli::Cli) -> anyhow::Result<ExitCode> {
             let code = runtime.block_on(async {
                 let (interrupts, received) = tokio::sync::mpsc::unbounded_channel();
                 let signals = tokio::spawn(forward_interrupts(interrupts));
-                let args = local::RunLocal {
-                    workflow: args.workflow,
-                    job: args.job,
-                    secrets: args.secrets,
-                    vars: args.vars,
-                    image: args.image,
-                    docker_socket: args.docker_socket,
-                    privileged: args.privileged,
-                    repository: args.repository,
-                };
-                let code = local::run(args, received).await;
+                let code = local::run(*args, received).await;
                 signals.abort();
                 code
             })?;

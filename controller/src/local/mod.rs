@@ -1,25 +1,35 @@
-//! `controller run-local`: one job of a workflow file through the whole pipeline — the
-//! embedded store, the docker driver, the supervisor in the runner image, the real
-//! runner — with the controller itself in Gitea's place: it builds the Task
-//! ([`task`]), takes the runner's reports ([`reports`]: the log streams to the
-//! terminal) and exits with the job's result. Ctrl-C cancels the job the way Gitea
-//! does (the runner is told in its next report and cleans up); a second Ctrl-C removes
-//! the environment at once.
+//! `controller run-local`: a workflow file through the whole pipeline — the embedded
+//! store, the docker driver, the supervisor in the runner image, the real runner — with
+//! the controller itself in Gitea's place. [`workflow`] turns the file into the jobs
+//! Gitea would create (one per matrix combination, after the jobs they need), [`task`]
+//! builds each job's Task as Gitea does (needs with results and outputs, the event,
+//! inputs, secrets only from files), [`reports`] takes the runner's reports (logs
+//! stream to the terminal); the run's result is the exit code. Independent jobs run in
+//! parallel up to `--parallel`. Ctrl-C cancels the run the way Gitea does (each runner
+//! is told in its next report and cleans up); a second Ctrl-C removes the environments
+//! at once.
 //!
 //! No Gitea is involved, so steps that talk to Gitea (checkout, artifacts, API calls)
 //! get a clear 502 from the supervisor's pass-through.
 
 pub mod reports;
 pub mod task;
+pub mod workflow;
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::Context;
-use proto::runner::v1::{Result as TaskResult, StepState};
+use proto::runner::v1::{Result as TaskResult, Task, TaskNeed};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     assignment::{Assignment, Placement, Rules, capability::CapabilityKey, placement::LabelPolicy},
+    cli::RunLocalArgs,
     driver::{
         Driver,
         docker::{DockerConfig, DockerDriver},
@@ -31,6 +41,7 @@ use crate::{
     store::{Record, Store, embedded::Embedded, now_ms},
     worker::{EnvironmentSettings, Worker},
 };
+use workflow::{PlannedJob, Workflow};
 
 /// The installation name of local runs.
 const LOCAL_INSTANCE: &str = "local";
@@ -38,164 +49,388 @@ const LOCAL_INSTANCE: &str = "local";
 /// Exit code after a cancelled job (as a shell reports SIGINT).
 pub const EXIT_CANCELLED: u8 = 130;
 
-/// What `run-local` was asked.
-#[derive(Debug, Clone)]
-pub struct RunLocal {
-    pub workflow: PathBuf,
-    pub job: Option<String>,
-    /// `NAME=@FILE`: the secret's value is read from FILE.
-    pub secrets: Vec<String>,
-    /// `NAME=VALUE`.
-    pub vars: Vec<String>,
-    pub image: String,
-    pub docker_socket: String,
-    /// `--privileged` (refused on some hosts); otherwise the explicit capability list.
-    pub privileged: bool,
-    /// `owner/name` the job believes it runs for.
-    pub repository: String,
-}
-
-/// Runs the job; returns the exit code (0 success, 1 failure, 130 cancelled).
+/// The assignments of `tasks` and the rules they were made with, under whichever
+/// label policy takes them all: run-local accepts what a Gitea with either setting would.
 ///
 /// # Errors
-/// When the workflow, the secrets or the Docker host cannot be used.
-/// The assignment of `task` and the rules it was made with, under either label policy:
-/// run-local accepts what a Gitea with either setting would.
-///
-/// # Errors
-/// The default policy's error when neither takes the job (its `runs-on` names no placement).
-pub fn assignment_for(task: proto::runner::v1::Task) -> Result<(Assignment, Rules), crate::assignment::envelope::AssignmentError> {
+/// The default policy's error for the first job neither takes (its `runs-on` names no
+/// placement).
+pub fn assignments_for(tasks: &[Task]) -> Result<(Vec<Assignment>, Rules), crate::assignment::envelope::AssignmentError> {
     let trust_domain = "run-local.invalid".to_owned();
     let default_rules = Rules { trust_domain: trust_domain.clone(), labels: LabelPolicy::default() };
-    match Assignment::from_task(task.clone(), &default_rules) {
-        Ok(assignment) => Ok((assignment, default_rules)),
+    let under = |rules: &Rules| tasks.iter().map(|task| Assignment::from_task(task.clone(), rules)).collect::<Result<Vec<_>, _>>();
+    match under(&default_rules) {
+        Ok(assignments) => Ok((assignments, default_rules)),
         Err(first) => {
             let seed = Rules { trust_domain, labels: LabelPolicy::seed_compatible() };
-            Assignment::from_task(task, &seed).map(|assignment| (assignment, seed)).map_err(|_| first)
+            under(&seed).map(|assignments| (assignments, seed)).map_err(|_| first)
+        }
+    }
+}
+/// A planned job and where it stands.
+struct Job {
+    planned: PlannedJob,
+    task_id: i64,
+    placement: Placement,
+    runs_on: Vec<String>,
+    state: JobState,
+}
+
+enum JobState {
+    Waiting,
+    Running { assignment_id: String },
+    Done(reports::Ended),
+}
+
+impl Job {
+    fn ended(&self) -> Option<&reports::Ended> {
+        match &self.state {
+            JobState::Done(ended) => Some(ended),
+            _ => None,
         }
     }
 }
 
-pub async fn run(args: RunLocal, interrupts: tokio::sync::mpsc::UnboundedReceiver<()>) -> anyhow::Result<u8> {
+/// Everything the run reads besides the workflow, from the command line and its files.
+struct Inputs {
+    run: task::RunContext,
+    secrets: BTreeMap<String, String>,
+    vars: BTreeMap<String, String>,
+}
+
+/// Runs the workflow (or `--job`); returns the exit code: 0 when every job succeeded
+/// or was skipped, 1 when one failed, 130 when the run was cancelled.
+///
+/// # Errors
+/// When the workflow, its inputs or the Docker host cannot be used — before any
+/// environment starts.
+pub async fn run(args: RunLocalArgs, interrupts: tokio::sync::mpsc::UnboundedReceiver<()>) -> anyhow::Result<u8> {
     let text = std::fs::read(&args.workflow).with_context(|| format!("--workflow {}", args.workflow.display()))?;
-    let (job, payload, needs) = task::single_job(&text, args.job.as_deref())?;
-    let secrets = task::secrets_from_files(&args.secrets.iter().map(|s| s.replacen("=@", "=", 1)).collect::<Vec<_>>())?;
-    let vars = task::vars(&args.vars)?;
-    let run = task::RunContext { repository: args.repository.clone(), ..task::RunContext::default() };
-    let task_id = now_ms().max(1);
-    let job_token = crate::assignment::capability::random_token().map_err(|_| anyhow::anyhow!("the system offers no randomness"))?;
-    let task = task::task(task_id, payload, task::context(&run, &job, task_id), &needs, secrets, vars, &job_token);
-    let (assignment, rules) = assignment_for(task).with_context(|| format!("job {job:?} cannot run"))?;
-    if assignment.placement != Placement::CONTAINER_DOCKER {
-        eprintln!("run-local: job {job:?} asks for {}; running it in a local Docker container instead", assignment.placement);
+    let mut workflow = Workflow::parse(&text).with_context(|| format!("{}", args.workflow.display()))?;
+    if let Some(file) = &args.env_file {
+        workflow = workflow.with_base_env(&task::dotenv_file(file)?);
+    }
+    let filters = args
+        .matrix
+        .iter()
+        .map(|f| f.split_once(':').map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())).ok_or_else(|| anyhow::anyhow!("--matrix {f:?} is not KEY:VALUE")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let plan = workflow.plan(args.job.as_deref(), &filters)?;
+
+    // Every job must name a placement before anything starts.
+    let probe_run = task::RunContext { repository: args.repository.clone(), ..task::RunContext::default() };
+    let first_id = now_ms().max(1);
+    let probes: Vec<Task> = plan
+        .iter()
+        .zip(0..)
+        .map(|(planned, n)| {
+            let context = task::context(&probe_run, &planned.key);
+            task::task(first_id + n, planned.payload.clone(), context, BTreeMap::new(), BTreeMap::new(), BTreeMap::new(), "probe")
+        })
+        .collect();
+    let (assignments, rules) = assignments_for(&probes).map_err(|error| anyhow::anyhow!("a job cannot run: {error}"))?;
+    let mut jobs: Vec<Job> = plan
+        .into_iter()
+        .zip(assignments)
+        .map(|(planned, assignment)| Job {
+            planned,
+            task_id: assignment.task.id,
+            placement: assignment.placement,
+            runs_on: assignment.runs_on,
+            state: JobState::Waiting,
+        })
+        .collect();
+    if args.list {
+        print!("{}", list(&workflow, &jobs));
+        return Ok(0);
+    }
+    let inputs = read_inputs(&args, &workflow)?;
+    for job in jobs.iter().filter(|j| j.placement != Placement::CONTAINER_DOCKER) {
+        eprintln!("run-local: job {:?} asks for {}; running it in a local Docker container instead", job.planned.name, job.placement);
     }
 
-    let dir = tempfile::Builder::new().prefix("gdr-run-local-").tempdir_in("/tmp").context("a scratch directory under /tmp")?;
-    let socket_dir = dir.path().join("environments");
-    let mut docker = if args.privileged { DockerConfig::privileged(&args.image) } else { DockerConfig::unprivileged_loop_capable(&args.image) };
-    docker.socket = args.docker_socket.clone();
-    let driver: Arc<dyn Driver> = Arc::new(
-        DockerDriver::connect(docker)
-            .await
-            .with_context(|| format!("the Docker host at {} (start one, or pass --docker-socket)", args.docker_socket))?
-            .for_placement(assignment.placement),
-    );
-
-    let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb"))?);
-    let mut placements = Placements::new();
-    let runtime = placements.add(assignment.placement, 1, Some(Arc::clone(&driver)));
-    let reports = Arc::new(reports::LocalReports::new(Box::new(std::io::stdout())));
-    let registrations = Registrations::local(Arc::clone(&reports) as Arc<dyn crate::gitea::TaskReports>);
-    let lifecycle = Lifecycle::new(Arc::clone(&store), placements, registrations.clone()).with_retire_grace(Duration::from_secs(10));
-    let key = Arc::new(CapabilityKey::random().map_err(|_| anyhow::anyhow!("the system offers no randomness for the capability key"))?);
-    let shutdown = CancellationToken::new();
-    let mut tasks = tokio::task::JoinSet::new();
-
-    let facade = Arc::new(Facade::new(Arc::clone(&store), registrations, lifecycle.clone(), Arc::clone(&key), rules.clone()));
-    let sockets = EnvironmentSockets::new(&socket_dir, LOCAL_INSTANCE, &[assignment.placement]).context("the facade sockets' directory")?;
-    tasks.spawn({
-        let (sockets, store, shutdown) = (Arc::clone(&sockets), Arc::clone(&store), shutdown.clone());
-        async move { sockets.serve(facade, store, shutdown).await.map_err(anyhow::Error::from) }
-    });
-    let settings = EnvironmentSettings {
-        instance: LOCAL_INSTANCE.to_owned(),
-        capability_ttl: Duration::from_secs(24 * 3600),
-        socket_dir: Some(socket_dir),
-        socket_placements: vec![assignment.placement],
-        ..EnvironmentSettings::default()
-    };
-    let worker = Arc::new(
-        Worker::new(runtime, Arc::clone(&driver), Arc::clone(&store), key, settings, rules, lifecycle.clone())
-            .with_sweep_interval(Duration::from_secs(2))
-            .with_sockets(Some(sockets)),
-    );
-    {
-        let (worker, shutdown) = (Arc::clone(&worker), shutdown.clone());
-        tasks.spawn(async move { worker.run(shutdown).await.map_err(anyhow::Error::from) });
-    }
-    let record = Record::pending(&assignment.id, assignment.placement, reports::RUNNER, assignment.encode(), now_ms());
-    store.persist(&record).await?;
-    eprintln!("run-local: job {job:?} as {} in {} ({})", assignment.id, crate::driver::environment_name(LOCAL_INSTANCE, &assignment.id), args.image);
-
-    let ended = wait_for_the_end(&reports, &lifecycle, &store, &assignment.id, &driver, interrupts).await;
-    // Let the environment end and be removed before leaving.
-    let name = crate::driver::environment_name(LOCAL_INSTANCE, &assignment.id);
-    crate::lifecycle::retire(driver.as_ref(), &name, &assignment.id, Duration::from_secs(15), || {}).await;
-    shutdown.cancel();
-    while tasks.join_next().await.is_some() {}
-    lifecycle.drain(Duration::from_secs(10)).await;
-
-    let code = match &ended {
-        Some(ended) => {
-            summary(&assignment, ended);
-            exit_code(ended.result)
+    let pipeline = Pipeline::start(&args, &jobs, rules).await?;
+    let prefixed = jobs.len() > 1;
+    let outcome = schedule(&pipeline, &mut jobs, &inputs, args.parallel.max(1), prefixed, interrupts).await;
+    pipeline.stop(&jobs).await;
+    let code = match outcome {
+        Some(()) => {
+            summary(&jobs);
+            exit_code(run_result(&jobs))
         }
         None => EXIT_CANCELLED,
     };
     Ok(code)
 }
 
-/// Waits for the final state. The first interrupt cancels the job (the runner hears it
-/// in its next report); a second one gives up at once (`None`).
-async fn wait_for_the_end(
-    reports: &reports::LocalReports,
-    lifecycle: &Lifecycle,
-    store: &Arc<dyn Store>,
-    assignment_id: &str,
-    driver: &Arc<dyn Driver>,
+fn read_inputs(args: &RunLocalArgs, workflow: &Workflow) -> anyhow::Result<Inputs> {
+    let mut secrets = match &args.secret_file {
+        Some(file) => task::dotenv_file(file)?,
+        None => BTreeMap::new(),
+    };
+    secrets.extend(task::secrets_from_files(&args.secrets.iter().map(|s| s.replacen("=@", "=", 1)).collect::<Vec<_>>())?);
+    let mut vars = match &args.var_file {
+        Some(file) => task::dotenv_file(file)?,
+        None => BTreeMap::new(),
+    };
+    vars.extend(task::vars(&args.vars)?);
+    let event_name = args.event.clone().or_else(|| workflow.first_event()).unwrap_or_else(|| "push".to_owned());
+    let mut event = match &args.event_file {
+        Some(file) => {
+            let text = std::fs::read(file).with_context(|| format!("--event-file {}", file.display()))?;
+            match serde_json::from_slice(&text).with_context(|| format!("--event-file {}: not JSON", file.display()))? {
+                serde_json::Value::Object(payload) => payload,
+                _ => anyhow::bail!("--event-file {}: the payload must be a JSON object", file.display()),
+            }
+        }
+        None => serde_json::Map::new(),
+    };
+    let given = task::vars(&args.inputs)?;
+    if event_name == "workflow_dispatch" {
+        event = task::with_inputs(event, &workflow.dispatch_inputs(), &given)?;
+    } else if !given.is_empty() {
+        anyhow::bail!("--input is for the workflow_dispatch event; this run's event is {event_name:?} (choose it with --event workflow_dispatch)");
+    }
+    let run = task::RunContext { repository: args.repository.clone(), event_name, event, run_id: now_ms().max(1), ..task::RunContext::default() };
+    Ok(Inputs { run, secrets, vars })
+}
+
+/// The store, the facade and a worker per placement, as the controller runs them, for
+/// the jobs of one run.
+struct Pipeline {
+    _dir: tempfile::TempDir,
+    store: Arc<dyn Store>,
+    lifecycle: Lifecycle,
+    reports: Arc<reports::LocalReports>,
+    drivers: BTreeMap<Placement, Arc<dyn Driver>>,
+    rules: Rules,
+    shutdown: CancellationToken,
+    tasks: tokio::sync::Mutex<tokio::task::JoinSet<anyhow::Result<()>>>,
+}
+
+impl Pipeline {
+    async fn start(args: &RunLocalArgs, jobs: &[Job], rules: Rules) -> anyhow::Result<Pipeline> {
+        let placements_used: Vec<Placement> = jobs.iter().map(|j| j.placement).collect::<BTreeSet<_>>().into_iter().collect();
+        let dir = tempfile::Builder::new().prefix("gdr-run-local-").tempdir_in("/tmp").context("a scratch directory under /tmp")?;
+        let socket_dir = dir.path().join("environments");
+        let mut docker = if args.privileged { DockerConfig::privileged(&args.image) } else { DockerConfig::unprivileged_loop_capable(&args.image) };
+        docker.socket = args.docker_socket.clone();
+        let mut placements = Placements::new();
+        let mut drivers = BTreeMap::new();
+        let mut runtimes = Vec::new();
+        for placement in &placements_used {
+            let driver: Arc<dyn Driver> = Arc::new(
+                DockerDriver::connect(docker.clone())
+                    .await
+                    .with_context(|| format!("the Docker host at {} (start one, or pass --docker-socket)", args.docker_socket))?
+                    .for_placement(*placement),
+            );
+            runtimes.push((placements.add(*placement, args.parallel.max(1), Some(Arc::clone(&driver))), Arc::clone(&driver)));
+            drivers.insert(*placement, driver);
+        }
+        let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb"))?);
+        let reports = Arc::new(reports::LocalReports::new(Box::new(std::io::stdout())));
+        let registrations = Registrations::local(Arc::clone(&reports) as Arc<dyn crate::gitea::TaskReports>);
+        let lifecycle = Lifecycle::new(Arc::clone(&store), placements, registrations.clone()).with_retire_grace(Duration::from_secs(10));
+        let key = Arc::new(CapabilityKey::random().map_err(|_| anyhow::anyhow!("the system offers no randomness for the capability key"))?);
+        let shutdown = CancellationToken::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        let facade = Arc::new(Facade::new(Arc::clone(&store), registrations, lifecycle.clone(), Arc::clone(&key), rules.clone()));
+        let sockets = EnvironmentSockets::new(&socket_dir, LOCAL_INSTANCE, &placements_used).context("the facade sockets' directory")?;
+        tasks.spawn({
+            let (sockets, store, shutdown) = (Arc::clone(&sockets), Arc::clone(&store), shutdown.clone());
+            async move { sockets.serve(facade, store, shutdown).await.map_err(anyhow::Error::from) }
+        });
+        let settings = EnvironmentSettings {
+            instance: LOCAL_INSTANCE.to_owned(),
+            capability_ttl: Duration::from_secs(24 * 3600),
+            socket_dir: Some(socket_dir),
+            socket_placements: placements_used.clone(),
+            ..EnvironmentSettings::default()
+        };
+        for (runtime, driver) in runtimes {
+            let worker = Arc::new(
+                Worker::new(runtime, driver, Arc::clone(&store), Arc::clone(&key), settings.clone(), rules.clone(), lifecycle.clone())
+                    .with_sweep_interval(Duration::from_secs(2))
+                    .with_sockets(Some(Arc::clone(&sockets))),
+            );
+            let shutdown = shutdown.clone();
+            tasks.spawn(async move { worker.run(shutdown).await.map_err(anyhow::Error::from) });
+        }
+        Ok(Pipeline { _dir: dir, store, lifecycle, reports, drivers, rules, shutdown, tasks: tokio::sync::Mutex::new(tasks) })
+    }
+
+    /// Hands `task` to the worker, as a fetched task is; returns its assignment id.
+    async fn submit(&self, job: &Job, task: Task, prefix: String) -> anyhow::Result<(String, watch::Receiver<Option<reports::Ended>>)> {
+        let assignment = Assignment::from_task(task, &self.rules)?;
+        let ended = self.reports.register(job.task_id, prefix);
+        let record = Record::pending(&assignment.id, assignment.placement, reports::RUNNER, assignment.encode(), now_ms());
+        self.store.persist(&record).await?;
+        eprintln!("run-local: job {:?} as {} in {}", job.planned.name, assignment.id, crate::driver::environment_name(LOCAL_INSTANCE, &assignment.id));
+        Ok((assignment.id, ended))
+    }
+
+    /// Ends a job nobody will report on any more: not claimed yet (Ctrl-C), or its
+    /// environment removed (second Ctrl-C).
+    async fn give_up(&self, job: &Job, remove: bool) {
+        let JobState::Running { assignment_id } = &job.state else { return };
+        if remove {
+            let _ = self.drivers[&job.placement].delete(&crate::driver::environment_name(LOCAL_INSTANCE, assignment_id)).await;
+        } else if !matches!(self.store.get(assignment_id).await, Ok(Some(record)) if record.value.state == crate::store::State::Pending) {
+            return;
+        }
+        let _ = self.lifecycle.finish(assignment_id, TaskResult::Cancelled as i32).await;
+        self.reports.end(job.task_id, TaskResult::Cancelled);
+    }
+
+    /// Lets every started environment end and be removed, then stops the pipeline.
+    async fn stop(self, jobs: &[Job]) {
+        let retiring = jobs.iter().filter_map(|job| {
+            let assignment_id = crate::assignment::envelope::assignment_id(job.task_id);
+            job.ended().is_some_and(|e| !e.steps.is_empty() || e.result != TaskResult::Skipped as i32).then(|| {
+                let driver = Arc::clone(&self.drivers[&job.placement]);
+                async move {
+                    let name = crate::driver::environment_name(LOCAL_INSTANCE, &assignment_id);
+                    crate::lifecycle::retire(driver.as_ref(), &name, &assignment_id, Duration::from_secs(15), || {}).await;
+                }
+            })
+        });
+        futures_util::future::join_all(retiring).await;
+        self.shutdown.cancel();
+        let mut tasks = self.tasks.into_inner();
+        while tasks.join_next().await.is_some() {}
+        self.lifecycle.drain(Duration::from_secs(10)).await;
+    }
+}
+
+/// Starts every job whose needs are done, up to `parallel` at once, until all ended.
+/// The first interrupt cancels the run (jobs not started are cancelled, running ones
+/// told); a second gives up at once (`None`).
+async fn schedule(
+    pipeline: &Pipeline,
+    jobs: &mut [Job],
+    inputs: &Inputs,
+    parallel: usize,
+    prefixed: bool,
     mut interrupts: tokio::sync::mpsc::UnboundedReceiver<()>,
-) -> Option<reports::Ended> {
-    let mut ended = reports.ended();
-    let mut interrupted = 0;
+) -> Option<()> {
+    let (ended_tx, mut ended_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, reports::Ended)>();
+    let mut watchers = tokio::task::JoinSet::new();
+    let mut cancelled = false;
     loop {
-        if let Some(done) = ended.borrow().clone() {
-            return Some(done);
+        for index in 0..jobs.len() {
+            if !matches!(jobs[index].state, JobState::Waiting) {
+                continue;
+            }
+            if cancelled {
+                jobs[index].state = JobState::Done(reports::Ended { result: TaskResult::Cancelled as i32, ..Default::default() });
+                continue;
+            }
+            let Some(needs) = needs_of(jobs, index) else { continue };
+            let running = jobs.iter().filter(|j| matches!(j.state, JobState::Running { .. })).count();
+            let all_succeeded = needs.values().all(|need| need.result == TaskResult::Success as i32);
+            if !all_succeeded && !jobs[index].planned.has_if {
+                // As Gitea: without an `if:` a job whose needs did not all succeed is skipped.
+                eprintln!("run-local: job {:?} skipped: a job it needs did not succeed", jobs[index].planned.name);
+                jobs[index].state = JobState::Done(reports::Ended { result: TaskResult::Skipped as i32, ..Default::default() });
+                continue;
+            }
+            if running >= parallel {
+                continue;
+            }
+            let job = &jobs[index];
+            let context = task::context(&inputs.run, &job.planned.key);
+            let token = match crate::assignment::capability::random_token() {
+                Ok(token) => token,
+                Err(_) => {
+                    eprintln!("run-local: the system offers no randomness for the job token");
+                    return None;
+                }
+            };
+            let task = task::task(job.task_id, job.planned.payload.clone(), context, needs, inputs.secrets.clone(), inputs.vars.clone(), &token);
+            let prefix = if prefixed { format!("[{}] ", job.planned.name) } else { String::new() };
+            match pipeline.submit(job, task, prefix).await {
+                Ok((assignment_id, mut ended)) => {
+                    let sender = ended_tx.clone();
+                    watchers.spawn(async move {
+                        if let Ok(done) = ended.wait_for(Option::is_some).await
+                            && let Some(done) = done.clone()
+                        {
+                            let _ = sender.send((index, done));
+                        }
+                    });
+                    jobs[index].state = JobState::Running { assignment_id };
+                }
+                Err(error) => {
+                    eprintln!("run-local: job {:?} could not start: {error:#}", job.planned.name);
+                    jobs[index].state = JobState::Done(reports::Ended { result: TaskResult::Failure as i32, ..Default::default() });
+                }
+            }
+        }
+        if jobs.iter().all(|j| matches!(j.state, JobState::Done(_))) {
+            watchers.abort_all();
+            while watchers.join_next().await.is_some() {}
+            return Some(());
         }
         tokio::select! {
-            changed = ended.changed() => if changed.is_err() { return None },
+            Some((index, ended)) = ended_rx.recv() => jobs[index].state = JobState::Done(ended),
             Some(()) = interrupts.recv() => {
-                interrupted += 1;
-                if interrupted == 1 {
-                    eprintln!("run-local: cancelling the job (Ctrl-C again to remove its environment now)");
-                    reports.cancel();
-                    // Not claimed yet: nobody will hear of it; end it here.
-                    if let Ok(Some(record)) = store.get(assignment_id).await
-                        && record.value.state == crate::store::State::Pending
-                    {
-                        let _ = lifecycle.finish(assignment_id, TaskResult::Cancelled as i32).await;
-                        return Some(reports::Ended { result: TaskResult::Cancelled as i32, steps: Vec::new() });
+                if cancelled {
+                    eprintln!("run-local: removing the environments");
+                    for job in jobs.iter() {
+                        pipeline.give_up(job, true).await;
                     }
-                } else {
-                    eprintln!("run-local: removing the environment");
-                    let _ = driver.delete(&crate::driver::environment_name(LOCAL_INSTANCE, assignment_id)).await;
-                    let _ = lifecycle.finish(assignment_id, TaskResult::Cancelled as i32).await;
+                    watchers.abort_all();
+                    while watchers.join_next().await.is_some() {}
                     return None;
+                }
+                cancelled = true;
+                eprintln!("run-local: cancelling the run (Ctrl-C again to remove its environments now)");
+                pipeline.reports.cancel();
+                for job in jobs.iter() {
+                    pipeline.give_up(job, false).await;
                 }
             }
         }
     }
 }
 
+/// The needs of `jobs[index]` once every job it needs has ended, as Gitea hands them
+/// to the runner; a need left out of the run (`--job`, matrix filters) counts as a
+/// success without outputs.
+fn needs_of(jobs: &[Job], index: usize) -> Option<BTreeMap<String, TaskNeed>> {
+    let mut needs = BTreeMap::new();
+    for need in &jobs[index].planned.needs {
+        let of_need: Vec<&Job> = jobs.iter().filter(|j| &j.planned.key == need).collect();
+        if of_need.iter().any(|j| j.ended().is_none()) {
+            return None;
+        }
+        let empty = BTreeMap::new();
+        let ended = of_need.iter().filter_map(|j| j.ended()).map(|e| (e.result, &e.outputs));
+        let aggregated = if of_need.is_empty() { task::need_of([(TaskResult::Success as i32, &empty)]) } else { task::need_of(ended) };
+        needs.insert(need.clone(), aggregated);
+    }
+    Some(needs)
+}
+
+/// `--list`: each job with what it needs, its matrix size and its placement.
+fn list(workflow: &Workflow, jobs: &[Job]) -> String {
+    let mut rows = vec![["JOB".to_owned(), "NEEDS".to_owned(), "MATRIX".to_owned(), "PLACEMENT".to_owned(), "RUNS-ON".to_owned()]];
+    for spec in workflow.jobs() {
+        let planned: Vec<&Job> = jobs.iter().filter(|j| j.planned.key == spec.key).collect();
+        let Some(first) = planned.first() else { continue };
+        let needs = if spec.needs.is_empty() { "-".to_owned() } else { spec.needs.join(",") };
+        rows.push([spec.key.clone(), needs, planned.len().to_string(), first.placement.to_string(), first.runs_on.join(",")]);
+    }
+    let widths: Vec<usize> = (0..5).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row.iter().zip(&widths).map(|(cell, width)| format!("{cell:<width$}")).collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
 fn exit_code(result: i32) -> u8 {
     match TaskResult::try_from(result) {
         Ok(TaskResult::Success | TaskResult::Skipped) => 0,
@@ -204,24 +439,34 @@ fn exit_code(result: i32) -> u8 {
     }
 }
 
-/// One line per step with its result, then the job's.
-fn summary(assignment: &Assignment, ended: &reports::Ended) {
-    let names = step_names(assignment);
+/// One line per job with its result, its steps under it.
+fn summary(jobs: &[Job]) {
     eprintln!("run-local: ── summary ──");
-    for step in &ended.steps {
-        let name = usize::try_from(step.id).ok().and_then(|i| names.get(i)).cloned().unwrap_or_else(|| format!("step {}", step.id));
-        eprintln!("run-local:   {:<10} {name}", short(step));
+    for job in jobs {
+        let Some(ended) = job.ended() else { continue };
+        eprintln!("run-local: {:<10} {}", result_word(ended.result), job.planned.name);
+        let names = step_names(&job.planned.payload);
+        for step in &ended.steps {
+            let name = usize::try_from(step.id).ok().and_then(|i| names.get(i)).cloned().unwrap_or_else(|| format!("step {}", step.id));
+            let name = workflow::fill_matrix(&name, &job.planned.combination);
+            eprintln!("run-local:   {:<10} {name}", result_word(step.result));
+        }
     }
-    eprintln!("run-local: job {}", crate::lifecycle::result_name(ended.result).trim_start_matches("RESULT_").to_ascii_lowercase());
+    eprintln!("run-local: {} {}", if jobs.len() == 1 { "job" } else { "run" }, result_word(run_result(jobs)));
 }
 
-fn short(step: &StepState) -> String {
-    crate::lifecycle::result_name(step.result).trim_start_matches("RESULT_").to_ascii_lowercase()
+/// The run's result as Gitea sums up its jobs.
+fn run_result(jobs: &[Job]) -> i32 {
+    let no_outputs = BTreeMap::new();
+    task::need_of(jobs.iter().filter_map(|j| j.ended().map(|e| (e.result, &no_outputs)))).result
+}
+
+fn result_word(result: i32) -> String {
+    crate::lifecycle::result_name(result).trim_start_matches("RESULT_").to_ascii_lowercase()
 }
 
 /// The job's step names as the workflow writes them (`name`, else `run`/`uses`).
-fn step_names(assignment: &Assignment) -> Vec<String> {
-    let Some(payload) = assignment.task.workflow_payload.as_deref() else { return Vec::new() };
+fn step_names(payload: &[u8]) -> Vec<String> {
     let Ok(document) = serde_yaml_ng::from_slice::<serde_yaml_ng::Value>(payload) else { return Vec::new() };
     let Some(jobs) = document.get("jobs").and_then(|j| j.as_mapping()) else { return Vec::new() };
     let Some((_, job)) = jobs.iter().next() else { return Vec::new() };

@@ -7,7 +7,6 @@ use std::{collections::BTreeMap, path::Path};
 
 use prost_types::{Struct, Value as PbValue, value::Kind};
 use proto::runner::v1::{Result as TaskResult, Task, TaskNeed};
-use serde_yaml_ng::{Mapping, Value};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LocalError {
@@ -17,16 +16,28 @@ pub enum LocalError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{path}: {reason}")]
+    BadFile { path: String, reason: String },
     #[error("the workflow is not valid YAML: {0}")]
     Yaml(String),
     #[error("the workflow has no jobs")]
     NoJobs,
-    #[error("the workflow has several jobs ({0}): choose one with --job")]
-    WhichJob(String),
     #[error("the workflow has no job {job:?} (it has: {known})")]
     NoSuchJob { job: String, known: String },
+    #[error("job {job:?} needs {need:?}, which the workflow does not have (it has: {known})")]
+    UnknownNeed { job: String, need: String, known: String },
+    #[error("the workflow has jobs that need each other: {0}")]
+    Cycle(String),
+    #[error("job {job:?} {what}")]
+    Unsupported { job: String, what: String },
+    #[error("nothing to run: the job and matrix filters leave no job")]
+    NothingToRun,
     #[error("{0:?} is not NAME=VALUE")]
     Assignment(String),
+    #[error("--input {name}: the workflow's workflow_dispatch has no such input (it has: {known})")]
+    UnknownInput { name: String, known: String },
+    #[error("the workflow_dispatch input {0:?} is required: give it with --input {0}=VALUE")]
+    MissingInput(String),
 }
 
 /// What `run-local` knows about the run (defaults describe a local checkout).
@@ -36,8 +47,11 @@ pub struct RunContext {
     pub sha: String,
     pub ref_name: String,
     pub event_name: String,
+    /// The event's payload (`github.event`), e.g. from `--event-file`.
+    pub event: serde_json::Map<String, serde_json::Value>,
     pub actor: String,
     pub server_url: String,
+    pub run_id: i64,
 }
 
 impl Default for RunContext {
@@ -47,58 +61,56 @@ impl Default for RunContext {
             sha: "0000000000000000000000000000000000000000".into(),
             ref_name: "main".into(),
             event_name: "workflow_dispatch".into(),
+            event: serde_json::Map::new(),
             actor: "run-local".into(),
             server_url: "http://127.0.0.1".into(),
+            run_id: 1,
         }
     }
 }
 
-/// The workflow's document and its `jobs` mapping.
-fn parse(workflow: &[u8]) -> Result<(Mapping, Mapping), LocalError> {
-    let document: Value = serde_yaml_ng::from_slice(workflow).map_err(|e| LocalError::Yaml(e.to_string()))?;
-    let Value::Mapping(document) = document else {
-        return Err(LocalError::Yaml("the document is not a mapping".into()));
-    };
-    let Some(Value::Mapping(jobs)) = document.get("jobs").cloned() else {
-        return Err(LocalError::NoJobs);
-    };
-    Ok((document, jobs))
-}
-
-/// The workflow's job keys, in the file's order.
+/// The event payload with the workflow_dispatch `inputs`: the workflow's defaults, then
+/// `given` (an input the workflow does not declare is refused, one it requires must be
+/// given).
 ///
 /// # Errors
-/// Invalid YAML or no `jobs` mapping.
-pub fn job_names(workflow: &[u8]) -> Result<Vec<String>, LocalError> {
-    Ok(parse(workflow)?.1.keys().filter_map(|k| k.as_str().map(str::to_owned)).collect())
+/// An undeclared or a missing required input.
+pub fn with_inputs(
+    mut event: serde_json::Map<String, serde_json::Value>,
+    declared: &BTreeMap<String, (Option<String>, bool)>,
+    given: &BTreeMap<String, String>,
+) -> Result<serde_json::Map<String, serde_json::Value>, LocalError> {
+    if let Some(name) = given.keys().find(|name| !declared.contains_key(*name)) {
+        let known: Vec<&str> = declared.keys().map(String::as_str).collect();
+        return Err(LocalError::UnknownInput { name: name.clone(), known: if known.is_empty() { "none".into() } else { known.join(", ") } });
+    }
+    let mut inputs = serde_json::Map::new();
+    for (name, (default, required)) in declared {
+        match (given.get(name), default) {
+            (Some(value), _) | (None, Some(value)) => {
+                inputs.insert(name.clone(), serde_json::Value::String(value.clone()));
+            }
+            (None, None) if *required => return Err(LocalError::MissingInput(name.clone())),
+            (None, None) => {}
+        }
+    }
+    if !inputs.is_empty() {
+        event.insert("inputs".into(), serde_json::Value::Object(inputs));
+    }
+    Ok(event)
 }
 
-/// The single-job workflow Gitea would send for `job` (or the only job): the file's
-/// top-level keys with `jobs` reduced to that job. Returns (job key, payload, needs).
-///
-/// # Errors
-/// Invalid YAML, no jobs, several jobs without `job`, or an unknown job.
-pub fn single_job(workflow: &[u8], job: Option<&str>) -> Result<(String, Vec<u8>, Vec<String>), LocalError> {
-    let (mut document, jobs) = parse(workflow)?;
-    let keys: Vec<String> = jobs.keys().filter_map(|k| k.as_str().map(str::to_owned)).collect();
-    let key = match (job, keys.as_slice()) {
-        (_, []) => return Err(LocalError::NoJobs),
-        (None, [only]) => only.clone(),
-        (None, _) => return Err(LocalError::WhichJob(keys.join(", "))),
-        (Some(wanted), _) if keys.iter().any(|k| k == wanted) => wanted.to_owned(),
-        (Some(wanted), _) => return Err(LocalError::NoSuchJob { job: wanted.to_owned(), known: keys.join(", ") }),
+/// A JSON value as the protobuf `Value` the context carries.
+fn from_json(value: &serde_json::Value) -> PbValue {
+    let kind = match value {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or_default()),
+        serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+        serde_json::Value::Array(items) => Kind::ListValue(prost_types::ListValue { values: items.iter().map(from_json).collect() }),
+        serde_json::Value::Object(fields) => Kind::StructValue(Struct { fields: fields.iter().map(|(k, v)| (k.clone(), from_json(v))).collect() }),
     };
-    let definition = jobs.get(key.as_str()).cloned().unwrap_or(Value::Null);
-    let needs = match definition.get("needs") {
-        Some(Value::String(one)) => vec![one.clone()],
-        Some(Value::Sequence(many)) => many.iter().filter_map(|n| n.as_str().map(str::to_owned)).collect(),
-        _ => Vec::new(),
-    };
-    let mut single = Mapping::new();
-    single.insert(Value::String(key.clone()), definition);
-    document.insert(Value::String("jobs".into()), Value::Mapping(single));
-    let payload = serde_yaml_ng::to_string(&Value::Mapping(document)).map_err(|e| LocalError::Yaml(e.to_string()))?;
-    Ok((key, payload.into_bytes(), needs))
+    PbValue { kind: Some(kind) }
 }
 
 fn string(s: &str) -> PbValue {
@@ -106,7 +118,7 @@ fn string(s: &str) -> PbValue {
 }
 
 /// The context keys gitea-runner reads (gitea-runner's internal/app/run/runner.go).
-pub fn context(run: &RunContext, job: &str, run_id: i64) -> Struct {
+pub fn context(run: &RunContext, job: &str) -> Struct {
     let owner = run.repository.split('/').next().unwrap_or_default();
     let fields: BTreeMap<String, PbValue> = [
         ("actor", string(&run.actor)),
@@ -117,7 +129,7 @@ pub fn context(run: &RunContext, job: &str, run_id: i64) -> Struct {
         ("repository_owner", string(owner)),
         ("repositoryUrl", string(&format!("{}/{}.git", run.server_url, run.repository))),
         ("event_name", string(&run.event_name)),
-        ("event", PbValue { kind: Some(Kind::StructValue(Struct::default())) }),
+        ("event", from_json(&serde_json::Value::Object(run.event.clone()))),
         ("sha", string(&run.sha)),
         ("ref", string(&format!("refs/heads/{}", run.ref_name))),
         ("ref_name", string(&run.ref_name)),
@@ -126,7 +138,7 @@ pub fn context(run: &RunContext, job: &str, run_id: i64) -> Struct {
         ("head_ref", string("")),
         ("base_ref", string("")),
         ("job", string(job)),
-        ("run_id", string(&run_id.to_string())),
+        ("run_id", string(&run.run_id.to_string())),
         ("run_number", string("1")),
         ("run_attempt", string("1")),
         ("workflow", string("run-local")),
@@ -157,6 +169,20 @@ pub fn secrets_from_files(pairs: &[String]) -> Result<BTreeMap<String, String>, 
     Ok(secrets)
 }
 
+/// A dotenv file (`NAME=VALUE` lines, `#` comments, quoting as dotenv defines it):
+/// `--secret-file`, `--var-file`, `--env-file`.
+///
+/// # Errors
+/// An unreadable file or a line that is not `NAME=VALUE`.
+pub fn dotenv_file(path: &Path) -> Result<BTreeMap<String, String>, LocalError> {
+    let shown = path.display().to_string();
+    let entries = dotenvy::from_path_iter(path).map_err(|error| match error {
+        dotenvy::Error::Io(source) => LocalError::Read { path: shown.clone(), source },
+        other => LocalError::BadFile { path: shown.clone(), reason: other.to_string() },
+    })?;
+    entries.map(|entry| entry.map_err(|error| LocalError::BadFile { path: shown.clone(), reason: error.to_string() })).collect()
+}
+
 /// `NAME=VALUE` pairs.
 ///
 /// # Errors
@@ -177,7 +203,7 @@ pub fn task(
     id: i64,
     payload: Vec<u8>,
     context: Struct,
-    needs: &[String],
+    needs: BTreeMap<String, TaskNeed>,
     mut secrets: BTreeMap<String, String>,
     vars: BTreeMap<String, String>,
     job_token: &str,
@@ -190,75 +216,103 @@ pub fn task(
         workflow_payload: Some(payload),
         context: Some(context),
         secrets: secrets.into_iter().collect(),
-        needs: needs.iter().map(|n| (n.clone(), TaskNeed { outputs: Default::default(), result: TaskResult::Success as i32 })).collect(),
+        needs: needs.into_iter().collect(),
         vars: vars.into_iter().collect(),
         ..Default::default()
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const TWO_JOBS: &str = "name: ci\non: push\nenv:\n  A: b\njobs:\n  build:\n    runs-on: [self-hosted, container, docker]\n    steps:\n      - run: make\n  test:\n    needs: build\n    runs-on: [self-hosted, container, docker]\n    steps:\n      - run: make test\n";
-
-    #[test]
-    fn job_selection() {
-        let table: &[(Option<&str>, Result<&str, &str>)] = &[
-            (None, Err("several jobs (build, test)")),
-            (Some("build"), Ok("build")),
-            (Some("test"), Ok("test")),
-            (Some("deploy"), Err("no job \"deploy\" (it has: build, test)")),
-        ];
-        for (job, want) in table {
-            match (single_job(TWO_JOBS.as_bytes(), *job), want) {
-                (Ok((key, payload, _)), Ok(expected)) => {
-                    assert_eq!(&key, expected);
-                    let (again, labels) = crate::assignment::placement::runs_on(&payload).unwrap();
-                    assert_eq!(&again, expected, "the payload must hold exactly that job");
-                    assert_eq!(labels, ["self-hosted", "container", "docker"]);
-                    let text = String::from_utf8(payload).unwrap();
-                    assert!(text.contains("A: b") && text.contains("name: ci"), "{text}");
-                }
-                (Err(error), Err(expected)) => assert!(error.to_string().contains(expected), "{error}"),
-                (got, want) => panic!("{job:?}: got {got:?}, want {want:?}"),
+/// What a job that needs `key` learns of it, as Gitea aggregates a job's matrix
+/// (services/actions: FindTaskNeeds): one result for all its combinations (a failure
+/// or cancel in any one wins; skipped only if all were) and their outputs merged.
+pub fn need_of<'a>(ended: impl IntoIterator<Item = (i32, &'a BTreeMap<String, String>)>) -> TaskNeed {
+    let mut results = Vec::new();
+    let mut outputs = BTreeMap::new();
+    for (result, job_outputs) in ended {
+        results.push(result);
+        for (key, value) in job_outputs {
+            if !value.is_empty() || !outputs.contains_key(key) {
+                outputs.insert(key.clone(), value.clone());
             }
         }
     }
+    let any = |r: TaskResult| results.contains(&(r as i32));
+    let result = if any(TaskResult::Failure) || results.iter().any(|r| TaskResult::try_from(*r).is_err() || *r == TaskResult::Unspecified as i32) {
+        TaskResult::Failure
+    } else if any(TaskResult::Cancelled) {
+        TaskResult::Cancelled
+    } else if !results.is_empty() && results.iter().all(|r| *r == TaskResult::Skipped as i32) {
+        TaskResult::Skipped
+    } else {
+        TaskResult::Success
+    };
+    TaskNeed { outputs: outputs.into_iter().collect(), result: result as i32 }
+}
 
-    #[test]
-    fn needs_become_successful_needs() {
-        let (_, payload, needs) = single_job(TWO_JOBS.as_bytes(), Some("test")).unwrap();
-        assert_eq!(needs, ["build"]);
-        let task = task(5, payload, context(&RunContext::default(), "test", 1), &needs, BTreeMap::new(), BTreeMap::new(), "local-token");
-        assert_eq!(task.needs["build"].result, TaskResult::Success as i32);
-        assert_eq!(task.secrets["GITHUB_TOKEN"], "local-token", "gitea-runner needs the job token among the secrets");
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::workflow::Workflow;
+
+    const TWO_JOBS: &str = "name: ci\non: push\nenv:\n  A: b\njobs:\n  build:\n    runs-on: [self-hosted, container, docker]\n    steps:\n      - run: make\n  test:\n    needs: build\n    runs-on: [self-hosted, container, docker]\n    steps:\n      - run: make test\n";
+
+    fn outputs(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
     }
 
     #[test]
-    fn malformed_workflows() {
-        for (text, want) in [("[]", "not a mapping"), ("name: x\n", "no jobs"), ("jobs: {}\n", "no jobs"), ("jobs: [\n", "YAML")] {
-            let error = single_job(text.as_bytes(), None).unwrap_err().to_string();
-            assert!(error.contains(want), "{text:?}: {error}");
+    fn a_need_aggregates_its_matrix_as_gitea_does() {
+        use TaskResult::{Cancelled, Failure, Skipped, Success};
+        let (a, b) = (outputs(&[("x", "1"), ("y", "")]), outputs(&[("y", "2"), ("x", "")]));
+        let table: &[(&[TaskResult], TaskResult)] = &[
+            (&[Success, Success], Success),
+            (&[Success, Failure], Failure),
+            (&[Cancelled, Success], Cancelled),
+            (&[Cancelled, Failure], Failure),
+            (&[Skipped, Success], Success),
+            (&[Skipped, Skipped], Skipped),
+        ];
+        for (results, want) in table {
+            let need = need_of(results.iter().zip([&a, &b]).map(|(r, o)| (*r as i32, o)));
+            assert_eq!(need.result, *want as i32, "{results:?}");
+            assert_eq!(need.outputs, [("x".to_owned(), "1".to_owned()), ("y".to_owned(), "2".to_owned())].into(), "non-empty values win");
         }
     }
 
     #[test]
-    fn context_is_what_the_runner_reads_and_yields_the_identity() {
-        let run = RunContext { repository: "owner/repo".into(), ..Default::default() };
-        let context = context(&run, "build", 7);
-        for key in ["repository", "repository_owner", "server_url", "sha", "ref", "event_name", "token", "gitea_runtime_token", "run_id"] {
+    fn the_task_carries_needs_the_job_token_and_the_identity() {
+        let plan = Workflow::parse(TWO_JOBS.as_bytes()).unwrap().plan(Some("test"), &[]).unwrap();
+        let need = need_of([(TaskResult::Success as i32, &outputs(&[("v", "1")]))]);
+        let run = RunContext { repository: "owner/repo".into(), run_id: 7, ..Default::default() };
+        let context = context(&run, "test");
+        for key in ["repository", "repository_owner", "server_url", "sha", "ref", "event_name", "token", "gitea_runtime_token", "run_id", "event"] {
             assert!(context.fields.contains_key(key), "{key}");
         }
-        let (_, payload, _) = single_job(TWO_JOBS.as_bytes(), Some("build")).unwrap();
-        let task = task(7, payload, context, &[], BTreeMap::new(), BTreeMap::new(), "local-token");
+        let task = task(7, plan[0].payload.clone(), context, BTreeMap::from([("build".to_owned(), need)]), BTreeMap::new(), BTreeMap::new(), "local-token");
+        assert_eq!(task.needs["build"].outputs["v"], "1");
+        assert_eq!(task.secrets["GITHUB_TOKEN"], "local-token", "gitea-runner needs the job token among the secrets");
         let rules = crate::assignment::Rules { trust_domain: "example.org".into(), labels: crate::assignment::placement::LabelPolicy::seed_compatible() };
         let assignment = crate::assignment::envelope::Assignment::from_task(task, &rules).unwrap();
-        assert_eq!(assignment.identity.spiffe_id, "spiffe://example.org/ci/owner/repo/build");
+        assert_eq!(assignment.identity.spiffe_id, "spiffe://example.org/ci/owner/repo/test");
     }
 
     #[test]
-    fn secrets_only_from_files_and_vars_from_pairs() {
+    fn inputs_take_the_workflows_defaults_and_refuse_what_it_does_not_declare() {
+        let declared = BTreeMap::from([("level".to_owned(), (Some("low".to_owned()), false)), ("target".to_owned(), (None, true))]);
+        let given = |pairs: &[(&str, &str)]| outputs(pairs);
+        let event = with_inputs(serde_json::Map::new(), &declared, &given(&[("target", "prod")])).unwrap();
+        assert_eq!(event["inputs"], serde_json::json!({"level": "low", "target": "prod"}));
+        let error = with_inputs(serde_json::Map::new(), &declared, &given(&[])).unwrap_err().to_string();
+        assert!(error.contains("--input target=VALUE"), "{error}");
+        let error = with_inputs(serde_json::Map::new(), &declared, &given(&[("target", "x"), ("typo", "1")])).unwrap_err().to_string();
+        assert!(error.contains("no such input (it has: level, target)"), "{error}");
+        let context = context(&RunContext { event: event.clone(), ..Default::default() }, "job");
+        let Some(Kind::StructValue(event)) = &context.fields["event"].kind else { panic!("event is not a struct") };
+        assert!(event.fields.contains_key("inputs"));
+    }
+
+    #[test]
+    fn secrets_only_from_files_and_vars_from_pairs_or_dotenv_files() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("token");
         std::fs::write(&file, "s3cret\n").unwrap();
@@ -268,5 +322,12 @@ mod tests {
         assert!(secrets_from_files(&["TOKEN=/nonexistent".into()]).unwrap_err().to_string().contains("/nonexistent"));
         assert_eq!(vars(&["A=1".into(), "B=".into()]).unwrap(), BTreeMap::from([("A".into(), "1".into()), ("B".into(), String::new())]));
         assert!(vars(&["=1".into()]).is_err());
+
+        let env = dir.path().join("ci.env");
+        std::fs::write(&env, "# comment\nA=1\nB=\"two words\"\n").unwrap();
+        assert_eq!(dotenv_file(&env).unwrap(), outputs(&[("A", "1"), ("B", "two words")]));
+        std::fs::write(&env, "A=1\nnot a pair\n").unwrap();
+        assert!(dotenv_file(&env).unwrap_err().to_string().contains("ci.env"));
+        assert!(dotenv_file(&dir.path().join("missing.env")).unwrap_err().to_string().contains("missing.env: cannot read"));
     }
 }

@@ -1,7 +1,8 @@
 //! `controller run-local` as a user runs it: the static controller binary, the runner
 //! image on a real dockerd, the real gitea-runner — no Gitea. The example workflow of
-//! the README succeeds with its log on stdout; a failing step gives exit 1; Ctrl-C
-//! cancels the job (exit 130) and removes its environment.
+//! the README succeeds with its log on stdout; a failing step gives exit 1; a workflow
+//! of several jobs runs in `needs` order with outputs, matrix, `if:`, inputs and files of
+//! secrets, vars and env; Ctrl-C cancels the job (exit 130) and removes its environment.
 
 #![allow(clippy::unwrap_used)]
 
@@ -82,9 +83,124 @@ async fn ctrl_c_cancels_the_job_and_removes_its_environment() {
     let mut stderr = String::new();
     tokio::io::AsyncReadExt::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).await.unwrap();
     assert_eq!(status.code(), Some(130), "{stderr}");
-    assert!(stderr.contains("cancelling the job"), "{stderr}");
+    assert!(stderr.contains("cancelling the run"), "{stderr}");
     eprintln!("Ctrl-C → run-local exited after {:?}", interrupted.elapsed());
     assert!(local_environments().is_empty(), "the environment was left behind: {:?}", local_environments());
+}
+
+/// The whole workflow: a matrix job whose two combinations run at once and set an
+/// output, a job that needs it (the output, an input, a secret, a var and env from
+/// dotenv files), a failing job, a job skipped because it needs the failed one, and an
+/// `if: always()` job that runs anyway and sees the results. The run fails (exit 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workflow_runs_every_job_in_needs_order_with_outputs_matrix_and_if() {
+    let _turn = e2e::exclusive().await;
+    let image = host().image("gitea-runner");
+    let dir = tempfile::tempdir().unwrap();
+    let workflow = dir.path().join("pipeline.yml");
+    std::fs::write(
+        &workflow,
+        r#"on:
+  workflow_dispatch:
+    inputs:
+      greeting: {default: hello}
+      target: {required: true}
+env:
+  FROM_WORKFLOW: workflow
+jobs:
+  build:
+    runs-on: [disposable, container, docker]
+    strategy:
+      matrix: {arch: [amd64, arm64]}
+    outputs:
+      artifact: ${{ steps.make.outputs.artifact }}
+    steps:
+      - id: make
+        run: |
+          echo "building for ${{ matrix.arch }} at $(date +%s%N)"
+          sleep 3
+          echo "built ${{ matrix.arch }} at $(date +%s%N)"
+          echo "artifact=app-${{ matrix.arch }}" >> "$GITHUB_OUTPUT"
+  test:
+    needs: build
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: |
+          echo "testing ${{ needs.build.outputs.artifact }} after ${{ needs.build.result }}"
+          echo "inputs ${{ inputs.greeting }}/${{ inputs.target }} var ${{ vars.LEVEL }} env $FROM_FILE/$FROM_WORKFLOW"
+          [ "${{ secrets.TOKEN }}" = "s3cret" ] && echo "the secret arrived"
+  broken:
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: exit 4
+  after-broken:
+    needs: broken
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: echo "must not run"
+  report:
+    needs: [test, broken]
+    if: always()
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: echo "report test=${{ needs.test.result }} broken=${{ needs.broken.result }}"
+"#,
+    )
+    .unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let secrets = file("secrets.env", "TOKEN=s3cret\n");
+    let vars = file("vars.env", "LEVEL=debug\n");
+    let env = file("ci.env", "FROM_FILE=dotenv\nFROM_WORKFLOW=overridden\n");
+
+    let list = run_local(&workflow, &image).arg("--list").output().await.unwrap();
+    let table = String::from_utf8_lossy(&list.stdout);
+    println!("{table}");
+    assert_eq!(list.status.code(), Some(0), "{}", String::from_utf8_lossy(&list.stderr));
+    let rows: Vec<Vec<&str>> = table.lines().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows[0], ["JOB", "NEEDS", "MATRIX", "PLACEMENT", "RUNS-ON"]);
+    assert_eq!(rows[1], ["build", "-", "2", "container.docker", "disposable,container,docker"]);
+    assert_eq!(rows[5][..3], ["report", "test,broken", "1"]);
+    assert!(local_environments().is_empty(), "--list started an environment");
+
+    let missing = run_local(&workflow, &image).output().await.unwrap();
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(missing.status.code() != Some(0) && stderr.contains("--input target=VALUE"), "a required input was not asked for: {stderr}");
+
+    let started = Instant::now();
+    let mut command = run_local(&workflow, &image);
+    command.args(["--input", "target=prod", "--secret-file"]).arg(&secrets).arg("--var-file").arg(&vars).arg("--env-file").arg(&env);
+    let output = tokio::time::timeout(Duration::from_secs(400), command.output()).await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}\n{stderr}\nthe run took {:?}", started.elapsed());
+    assert_eq!(output.status.code(), Some(1), "the failing job must fail the run");
+    let line = |needle: &str| stdout.lines().find(|l| l.contains(needle) && !l.contains("echo ")).map(str::to_owned);
+    assert!(line("[test] testing app-").is_some_and(|l| l.ends_with("after success")), "{stdout}");
+    assert!(line("[test] inputs hello/prod var debug env dotenv/workflow").is_some(), "{stdout}");
+    assert!(line("[test] the secret arrived").is_some(), "{stdout}");
+    assert!(line("[report] report test=success broken=failure").is_some(), "{stdout}");
+    assert!(line("must not run").is_none(), "{stdout}");
+    assert!(stderr.contains("job \"after-broken\" skipped"), "{stderr}");
+    for (result, job) in [
+        ("success", "build (amd64)"),
+        ("success", "build (arm64)"),
+        ("success", "test"),
+        ("failure", "broken"),
+        ("skipped", "after-broken"),
+        ("success", "report"),
+    ] {
+        let want = format!("run-local: {result} {job}");
+        assert!(stderr.lines().any(|l| l.split_whitespace().collect::<Vec<_>>().join(" ") == want), "{want:?} missing:\n{stderr}");
+    }
+    // The two combinations ran at once (--parallel 2): each started before the other ended.
+    let at =
+        |needle: &str| -> u128 { line(needle).and_then(|l| l.rsplit(' ').next().and_then(|n| n.parse().ok())).unwrap_or_else(|| panic!("{needle}: {stdout}")) };
+    assert!(at("building for amd64") < at("built arm64") && at("building for arm64") < at("built amd64"), "the matrix ran one after the other:\n{stdout}");
+    testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
 }
 
 /// The project's own workflows (`.gitea/workflows/`) and the examples, as run-local reads
@@ -93,29 +209,38 @@ async fn ctrl_c_cancels_the_job_and_removes_its_environment() {
 #[test]
 fn the_projects_own_workflows_parse_and_name_a_placement() {
     use controller::local::{
-        assignment_for,
+        assignments_for,
         task::{self, RunContext},
+        workflow::Workflow,
     };
     let mut seen = Vec::new();
     for dir in [".gitea/workflows", "examples"] {
         for entry in std::fs::read_dir(paths::repository().join(dir)).unwrap() {
             let path = entry.unwrap().path();
             let text = std::fs::read(&path).unwrap();
-            let jobs = task::job_names(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            for job in jobs {
-                let (key, payload, needs) = task::single_job(&text, Some(&job)).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                let context = task::context(&RunContext::default(), &key, 1);
-                let task = task::task(1, payload, context, &needs, Default::default(), Default::default(), "job-token");
-                let (assignment, _) = assignment_for(task).unwrap_or_else(|e| panic!("{}: job {job}: {e}", path.display()));
-                seen.push(format!("{}: {job} → {}", path.strip_prefix(paths::repository()).unwrap().display(), assignment.placement));
+            let plan = Workflow::parse(&text).and_then(|w| w.plan(None, &[])).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let tasks: Vec<_> = (1..)
+                .zip(&plan)
+                .map(|(id, job)| {
+                    let context = task::context(&RunContext::default(), &job.key);
+                    task::task(id, job.payload.clone(), context, Default::default(), Default::default(), Default::default(), "job-token")
+                })
+                .collect();
+            let (assignments, _) = assignments_for(&tasks).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for (job, assignment) in plan.iter().zip(assignments) {
+                seen.push(format!("{}: {} → {}", path.strip_prefix(paths::repository()).unwrap().display(), job.name, assignment.placement));
             }
         }
     }
     seen.sort();
     println!("{}", seen.join("\n"));
-    for expected in
-        [".gitea/workflows/ci.yml: test", ".gitea/workflows/release.yml: images", ".gitea/workflows/release.yml: smoke", "examples/hello.yml: hello"]
-    {
+    for expected in [
+        ".gitea/workflows/ci.yml: test",
+        ".gitea/workflows/release.yml: images",
+        ".gitea/workflows/release.yml: smoke",
+        "examples/hello.yml: hello",
+        "examples/pipeline.yml: build (amd64)",
+    ] {
         assert!(seen.iter().any(|s| s.starts_with(expected)), "{expected} missing from {seen:?}");
     }
 }

@@ -734,7 +734,7 @@ impl Gitea {
     }
 
     /// [`Gitea::job_log`] that says what went wrong instead of panicking (a running job
-    /// has no log until its first rows arrive: Gitea answers 500 "file does not exist").
+    /// has no log until its first rows arrive: Gitea 1.23 answers 500 "file does not exist", 1.27 404).
     ///
     /// # Errors
     /// The route's status and body.
