@@ -84,6 +84,17 @@ pub struct RunLocalArgs {
     /// Environment for every job from a dotenv file (the workflow's `env:` wins).
     #[arg(long, value_name = "FILE")]
     pub env_file: Option<PathBuf>,
+    /// Serve this commit (e.g. HEAD, a branch, a sha) as the jobs' repository instead of
+    /// the working tree with its uncommitted changes.
+    #[arg(long, value_name = "REV")]
+    pub commit: Option<String>,
+    /// Serve DIR as the action OWNER/NAME at REF (repeatable): `uses: OWNER/NAME@REF`
+    /// runs it with no network. Other actions come from --actions-url.
+    #[arg(long = "action", value_name = "OWNER/NAME@REF=DIR")]
+    pub actions: Vec<String>,
+    /// Where `uses: OWNER/NAME@REF` actions come from (as Gitea's DEFAULT_ACTIONS_URL).
+    #[arg(long, value_name = "URL", default_value = "https://github.com")]
+    pub actions_url: String,
     /// The runner image (scripts/build-image tags it gitea-dynamic-runner/runner:latest).
     #[arg(long, env = "GDR_RUNNER_IMAGE", default_value = "gitea-dynamic-runner/runner:latest")]
     pub image: String,

@@ -247,6 +247,24 @@ impl DockerDriver {
         self
     }
 
+    /// The host as the environments reach it: the IPv4 gateway of their network (a
+    /// service of the host listening there is reachable from an environment).
+    ///
+    /// # Errors
+    /// When the network cannot be inspected or has no IPv4 gateway.
+    pub async fn host_address(&self) -> Result<std::net::IpAddr, DriverError> {
+        let network = self.config.network.as_deref().unwrap_or("bridge");
+        let inspected = self.docker.inspect_network(network, None).await.map_err(|e| self.unavailable(format!("cannot inspect the network {network}: {e}")))?;
+        inspected
+            .ipam
+            .and_then(|ipam| ipam.config)
+            .into_iter()
+            .flatten()
+            .filter_map(|config| config.gateway?.parse::<std::net::IpAddr>().ok())
+            .find(std::net::IpAddr::is_ipv4)
+            .ok_or_else(|| self.unavailable(format!("the network {network} has no IPv4 gateway")))
+    }
+
     fn unavailable(&self, detail: impl Into<String>) -> DriverError {
         DriverError::Unavailable { placement: self.placement.to_string(), detail: detail.into() }
     }

@@ -9,15 +9,18 @@
 //! is told in its next report and cleans up); a second Ctrl-C removes the environments
 //! at once.
 //!
-//! No Gitea is involved, so steps that talk to Gitea (checkout, artifacts, API calls)
-//! get a clear 502 from the supervisor's pass-through.
+//! No Gitea is involved: [`repository`] serves a snapshot of the local repository (and
+//! mapped actions) where the jobs' Gitea would be, so checkouts and `uses:` work; other
+//! Gitea routes (artifacts, API calls) get an answer saying there is no Gitea.
 
 pub mod reports;
+pub mod repository;
 pub mod task;
 pub mod workflow;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    path::PathBuf,
     sync::Arc,
     time::Duration,
 };
@@ -144,12 +147,49 @@ pub async fn run(args: RunLocalArgs, interrupts: tokio::sync::mpsc::UnboundedRec
         print!("{}", list(&workflow, &jobs));
         return Ok(0);
     }
-    let inputs = read_inputs(&args, &workflow)?;
+    let mut inputs = read_inputs(&args, &workflow)?;
+    let snapshot = match repository::work_tree_of(&args.workflow).await {
+        Some(root) => {
+            let snapshot = repository::Snapshot::take(&root, args.commit.as_deref()).await?;
+            let served = &snapshot.served;
+            eprintln!(
+                "run-local: serving {} as {} ({} on {})",
+                root.display(),
+                args.repository,
+                if args.commit.is_some() { served.sha.clone() } else { format!("the working tree, {}", &served.sha[..12]) },
+                served.branch
+            );
+            inputs.run.served(served);
+            Some(snapshot)
+        }
+        None if args.commit.is_some() => anyhow::bail!("--commit: {} is not in a git repository", args.workflow.display()),
+        None => {
+            eprintln!("run-local: {} is not in a git repository: no repository is served to the jobs", args.workflow.display());
+            None
+        }
+    };
     for job in jobs.iter().filter(|j| j.placement != Placement::CONTAINER_DOCKER) {
         eprintln!("run-local: job {:?} asks for {}; running it in a local Docker container instead", job.planned.name, job.placement);
     }
 
-    let pipeline = Pipeline::start(&args, &jobs, rules).await?;
+    let mut served: BTreeMap<String, PathBuf> = snapshot.iter().map(|s| (args.repository.clone(), s.git_dir().to_path_buf())).collect();
+    let mut actions = Vec::new();
+    for mapping in &args.actions {
+        let (name, git_ref, dir) = action_mapping(mapping)?;
+        let action = repository::Snapshot::of_directory(&dir, &git_ref).await.with_context(|| format!("--action {mapping}"))?;
+        if served.insert(name.clone(), action.git_dir().to_path_buf()).is_some() {
+            anyhow::bail!("--action {mapping}: {name} is served already (the repository, or another --action)");
+        }
+        eprintln!("run-local: serving {} as the action {name}@{git_ref}", dir.display());
+        actions.push(action);
+    }
+    // Unmapped actions are sent on to the actions URL.
+    let elsewhere = (!actions.is_empty()).then(|| args.actions_url.clone());
+    let pipeline = Pipeline::start(&args, &jobs, rules, served, elsewhere).await?;
+    inputs.run.actions_url = match (&pipeline.served_url, actions.is_empty()) {
+        (Some(url), false) => url.clone(),
+        _ => args.actions_url.clone(),
+    };
     let prefixed = jobs.len() > 1;
     let outcome = schedule(&pipeline, &mut jobs, &inputs, args.parallel.max(1), prefixed, interrupts).await;
     pipeline.stop(&jobs).await;
@@ -195,10 +235,28 @@ fn read_inputs(args: &RunLocalArgs, workflow: &Workflow) -> anyhow::Result<Input
     Ok(Inputs { run, secrets, vars })
 }
 
+/// `OWNER/NAME@REF=DIR` → (OWNER/NAME, REF, DIR).
+fn action_mapping(mapping: &str) -> anyhow::Result<(String, String, PathBuf)> {
+    let usage = || anyhow::anyhow!("--action {mapping:?} is not OWNER/NAME@REF=DIR");
+    let (action, dir) = mapping.split_once('=').ok_or_else(usage)?;
+    let (name, git_ref) = action.split_once('@').ok_or_else(usage)?;
+    let parts: Vec<&str> = name.split('/').collect();
+    if parts.len() != 2 || parts.iter().any(|p| p.is_empty()) || git_ref.is_empty() || dir.is_empty() {
+        return Err(usage());
+    }
+    let dir = PathBuf::from(dir);
+    if !dir.is_dir() {
+        anyhow::bail!("--action {mapping}: {} is not a directory", dir.display());
+    }
+    Ok((name.to_owned(), git_ref.to_owned(), dir))
+}
+
 /// The store, the facade and a worker per placement, as the controller runs them, for
 /// the jobs of one run.
 struct Pipeline {
     _dir: tempfile::TempDir,
+    /// Where the repository and mapped actions are served (the environments' Gitea URL).
+    served_url: Option<String>,
     store: Arc<dyn Store>,
     lifecycle: Lifecycle,
     reports: Arc<reports::LocalReports>,
@@ -209,22 +267,31 @@ struct Pipeline {
 }
 
 impl Pipeline {
-    async fn start(args: &RunLocalArgs, jobs: &[Job], rules: Rules) -> anyhow::Result<Pipeline> {
+    async fn start(args: &RunLocalArgs, jobs: &[Job], rules: Rules, served: BTreeMap<String, PathBuf>, elsewhere: Option<String>) -> anyhow::Result<Pipeline> {
         let placements_used: Vec<Placement> = jobs.iter().map(|j| j.placement).collect::<BTreeSet<_>>().into_iter().collect();
         let dir = tempfile::Builder::new().prefix("gdr-run-local-").tempdir_in("/tmp").context("a scratch directory under /tmp")?;
         let socket_dir = dir.path().join("environments");
         let mut docker = if args.privileged { DockerConfig::privileged(&args.image) } else { DockerConfig::unprivileged_loop_capable(&args.image) };
         docker.socket = args.docker_socket.clone();
+        let docker =
+            DockerDriver::connect(docker).await.with_context(|| format!("the Docker host at {} (start one, or pass --docker-socket)", args.docker_socket))?;
+        let shutdown = CancellationToken::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        // Where the jobs' Gitea would be: the repository, reached through the supervisor's
+        // pass-through on the host's address in the environments' network.
+        let gitea_url = if served.is_empty() {
+            None
+        } else {
+            let host = docker.host_address().await.context("the address of this host in the environments' network")?;
+            let (address, server) = repository::serve(std::net::SocketAddr::new(host, 0), served, elsewhere, shutdown.clone()).await?;
+            tasks.spawn(async move { server.await.context("the repository server") });
+            Some(format!("http://{address}"))
+        };
         let mut placements = Placements::new();
         let mut drivers = BTreeMap::new();
         let mut runtimes = Vec::new();
         for placement in &placements_used {
-            let driver: Arc<dyn Driver> = Arc::new(
-                DockerDriver::connect(docker.clone())
-                    .await
-                    .with_context(|| format!("the Docker host at {} (start one, or pass --docker-socket)", args.docker_socket))?
-                    .for_placement(*placement),
-            );
+            let driver: Arc<dyn Driver> = Arc::new(docker.clone().for_placement(*placement));
             runtimes.push((placements.add(*placement, args.parallel.max(1), Some(Arc::clone(&driver))), Arc::clone(&driver)));
             drivers.insert(*placement, driver);
         }
@@ -233,8 +300,6 @@ impl Pipeline {
         let registrations = Registrations::local(Arc::clone(&reports) as Arc<dyn crate::gitea::TaskReports>);
         let lifecycle = Lifecycle::new(Arc::clone(&store), placements, registrations.clone()).with_retire_grace(Duration::from_secs(10));
         let key = Arc::new(CapabilityKey::random().map_err(|_| anyhow::anyhow!("the system offers no randomness for the capability key"))?);
-        let shutdown = CancellationToken::new();
-        let mut tasks = tokio::task::JoinSet::new();
         let facade = Arc::new(Facade::new(Arc::clone(&store), registrations, lifecycle.clone(), Arc::clone(&key), rules.clone()));
         let sockets = EnvironmentSockets::new(&socket_dir, LOCAL_INSTANCE, &placements_used).context("the facade sockets' directory")?;
         tasks.spawn({
@@ -246,6 +311,7 @@ impl Pipeline {
             capability_ttl: Duration::from_secs(24 * 3600),
             socket_dir: Some(socket_dir),
             socket_placements: placements_used.clone(),
+            gitea_url: gitea_url.clone(),
             ..EnvironmentSettings::default()
         };
         for (runtime, driver) in runtimes {
@@ -257,7 +323,7 @@ impl Pipeline {
             let shutdown = shutdown.clone();
             tasks.spawn(async move { worker.run(shutdown).await.map_err(anyhow::Error::from) });
         }
-        Ok(Pipeline { _dir: dir, store, lifecycle, reports, drivers, rules, shutdown, tasks: tokio::sync::Mutex::new(tasks) })
+        Ok(Pipeline { _dir: dir, served_url: gitea_url, store, lifecycle, reports, drivers, rules, shutdown, tasks: tokio::sync::Mutex::new(tasks) })
     }
 
     /// Hands `task` to the worker, as a fetched task is; returns its assignment id.

@@ -51,7 +51,28 @@ pub struct RunContext {
     pub event: serde_json::Map<String, serde_json::Value>,
     pub actor: String,
     pub server_url: String,
+    /// `gitea_default_actions_url`: where the runner fetches `uses: OWNER/NAME@REF`.
+    pub actions_url: String,
     pub run_id: i64,
+}
+
+impl RunContext {
+    /// The run is of the commit `served` (`github.sha`, `github.ref`); a push event's
+    /// payload names it too unless the event file did.
+    pub fn served(&mut self, served: &super::repository::Served) {
+        self.sha.clone_from(&served.sha);
+        self.ref_name.clone_from(&served.branch);
+        if self.event_name == "push" {
+            let fields = [
+                ("ref", serde_json::json!(format!("refs/heads/{}", served.branch))),
+                ("after", serde_json::json!(served.sha)),
+                ("head_commit", serde_json::json!({ "id": served.sha, "message": served.message })),
+            ];
+            for (key, value) in fields {
+                self.event.entry(key).or_insert(value);
+            }
+        }
+    }
 }
 
 impl Default for RunContext {
@@ -64,6 +85,7 @@ impl Default for RunContext {
             event: serde_json::Map::new(),
             actor: "run-local".into(),
             server_url: "http://127.0.0.1".into(),
+            actions_url: "https://github.com".into(),
             run_id: 1,
         }
     }
@@ -146,7 +168,7 @@ pub fn context(run: &RunContext, job: &str) -> Struct {
         ("secret_source", string("Actions")),
         ("token", string("")),
         ("gitea_runtime_token", string("")),
-        ("gitea_default_actions_url", string("https://github.com")),
+        ("gitea_default_actions_url", string(&run.actions_url)),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))

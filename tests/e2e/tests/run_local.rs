@@ -2,7 +2,9 @@
 //! image on a real dockerd, the real gitea-runner — no Gitea. The example workflow of
 //! the README succeeds with its log on stdout; a failing step gives exit 1; a workflow
 //! of several jobs runs in `needs` order with outputs, matrix, `if:`, inputs and files of
-//! secrets, vars and env; Ctrl-C cancels the job (exit 130) and removes its environment.
+//! secrets, vars and env, checking out the local repository (served by run-local) and
+//! using a local and a mapped action; Ctrl-C cancels the job (exit 130) and removes its
+//! environment.
 
 #![allow(clippy::unwrap_used)]
 
@@ -88,18 +90,26 @@ async fn ctrl_c_cancels_the_job_and_removes_its_environment() {
     assert!(local_environments().is_empty(), "the environment was left behind: {:?}", local_environments());
 }
 
-/// The whole workflow: a matrix job whose two combinations run at once and set an
-/// output, a job that needs it (the output, an input, a secret, a var and env from
-/// dotenv files), a failing job, a job skipped because it needs the failed one, and an
-/// `if: always()` job that runs anyway and sees the results. The run fails (exit 1).
+/// The whole workflow, in a git repository with an uncommitted change: a matrix job
+/// whose two combinations run at once, check the repository out (the change is there),
+/// use a local composite action and a mapped JavaScript action and set an output; a job
+/// that needs it (the output, an input, a secret, a var and env from dotenv files); a
+/// failing job, a job skipped because it needs the failed one, and an `if: always()` job
+/// that runs anyway and sees the results. The run fails (exit 1). Then `--commit HEAD`
+/// serves the committed state instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_workflow_runs_every_job_in_needs_order_with_outputs_matrix_and_if() {
+async fn a_workflow_runs_every_job_in_needs_order_with_outputs_matrix_if_checkout_and_actions() {
     let _turn = e2e::exclusive().await;
     let image = host().image("gitea-runner");
     let dir = tempfile::tempdir().unwrap();
-    let workflow = dir.path().join("pipeline.yml");
-    std::fs::write(
-        &workflow,
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let workflow = file(
+        ".gitea/workflows/pipeline.yml",
         r#"on:
   workflow_dispatch:
     inputs:
@@ -115,11 +125,21 @@ jobs:
     outputs:
       artifact: ${{ steps.make.outputs.artifact }}
     steps:
+      - run: |
+          git clone -q "$GITHUB_SERVER_URL/$GITHUB_REPOSITORY" .
+          echo "checked out: $(cat state.txt), head $(git rev-parse HEAD) sha $GITHUB_SHA"
+      - id: greet
+        uses: ./.gitea/actions/greet
+        with: {who: "${{ matrix.arch }}"}
+      - id: js
+        uses: acme/hello-js@v1
+        with: {who: "${{ matrix.arch }}"}
       - id: make
         run: |
           echo "building for ${{ matrix.arch }} at $(date +%s%N)"
           sleep 3
           echo "built ${{ matrix.arch }} at $(date +%s%N)"
+          echo "actions said [${{ steps.greet.outputs.greeting }}] [${{ steps.js.outputs.said }}]"
           echo "artifact=app-${{ matrix.arch }}" >> "$GITHUB_OUTPUT"
   test:
     needs: build
@@ -145,13 +165,33 @@ jobs:
     steps:
       - run: echo "report test=${{ needs.test.result }} broken=${{ needs.broken.result }}"
 "#,
+    );
+    file(
+        ".gitea/actions/greet/action.yml",
+        "inputs:\n  who: {required: true}\noutputs:\n  greeting: {value: \"${{ steps.say.outputs.greeting }}\"}\nruns:\n  using: composite\n  steps:\n    - id: say\n      shell: bash\n      run: echo \"greeting=composite greets ${{ inputs.who }}\" >> \"$GITHUB_OUTPUT\"\n",
+    );
+    file("state.txt", "committed\n");
+    let git = |args: &str| {
+        let status =
+            std::process::Command::new("sh").arg("-c").arg(format!("git -c user.name=t -c user.email=t@t {args}")).current_dir(dir.path()).status().unwrap();
+        assert!(status.success(), "git {args}");
+    };
+    git("init -q -b main .");
+    git("add -A");
+    git("commit -q -m first");
+    file("state.txt", "uncommitted\n");
+    let action = tempfile::tempdir().unwrap();
+    std::fs::write(
+        action.path().join("action.yml"),
+        "inputs:\n  who: {required: true}\noutputs:\n  said: {description: x}\nruns:\n  using: node20\n  main: index.js\n",
     )
     .unwrap();
-    let file = |name: &str, text: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    };
+    std::fs::write(
+        action.path().join("index.js"),
+        "require('fs').appendFileSync(process.env.GITHUB_OUTPUT, `said=node ${process.version} greets ${process.env.INPUT_WHO}\\n`);\n",
+    )
+    .unwrap();
+    let mapping = format!("acme/hello-js@v1={}", action.path().display());
     let secrets = file("secrets.env", "TOKEN=s3cret\n");
     let vars = file("vars.env", "LEVEL=debug\n");
     let env = file("ci.env", "FROM_FILE=dotenv\nFROM_WORKFLOW=overridden\n");
@@ -172,13 +212,23 @@ jobs:
 
     let started = Instant::now();
     let mut command = run_local(&workflow, &image);
-    command.args(["--input", "target=prod", "--secret-file"]).arg(&secrets).arg("--var-file").arg(&vars).arg("--env-file").arg(&env);
+    command.args(["--input", "target=prod", "--action", &mapping, "--secret-file"]).arg(&secrets).arg("--var-file").arg(&vars).arg("--env-file").arg(&env);
     let output = tokio::time::timeout(Duration::from_secs(400), command.output()).await.unwrap().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     println!("{stdout}\n{stderr}\nthe run took {:?}", started.elapsed());
     assert_eq!(output.status.code(), Some(1), "the failing job must fail the run");
     let line = |needle: &str| stdout.lines().find(|l| l.contains(needle) && !l.contains("echo ")).map(str::to_owned);
+    for arch in ["amd64", "arm64"] {
+        let checked_out = line(&format!("[build ({arch})] checked out: ")).unwrap_or_else(|| panic!("{stdout}"));
+        let words: Vec<&str> = checked_out.split_whitespace().collect();
+        assert_eq!(words[4], "uncommitted,", "the working tree was not served: {checked_out}");
+        assert_eq!(words[6], words[8], "GITHUB_SHA is not the commit served: {checked_out}");
+        assert!(
+            line(&format!("[build ({arch})] actions said [composite greets {arch}] [node v")).is_some_and(|l| l.ends_with(&format!("greets {arch}]"))),
+            "{stdout}"
+        );
+    }
     assert!(line("[test] testing app-").is_some_and(|l| l.ends_with("after success")), "{stdout}");
     assert!(line("[test] inputs hello/prod var debug env dotenv/workflow").is_some(), "{stdout}");
     assert!(line("[test] the secret arrived").is_some(), "{stdout}");
@@ -200,6 +250,15 @@ jobs:
     let at =
         |needle: &str| -> u128 { line(needle).and_then(|l| l.rsplit(' ').next().and_then(|n| n.parse().ok())).unwrap_or_else(|| panic!("{needle}: {stdout}")) };
     assert!(at("building for amd64") < at("built arm64") && at("building for arm64") < at("built amd64"), "the matrix ran one after the other:\n{stdout}");
+
+    // --commit: the committed state, one job, one combination.
+    let mut command = run_local(&workflow, &image);
+    command.args(["--commit", "HEAD", "--job", "build", "--matrix", "arch:arm64", "--input", "target=prod", "--action", &mapping]);
+    let output = tokio::time::timeout(Duration::from_secs(200), command.output()).await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.lines().any(|l| l.starts_with("checked out: committed,")), "{stdout}");
+    assert!(stdout.contains("greets arm64]") && !stdout.contains("greets amd64"), "the matrix filter did not keep arm64 alone:\n{stdout}");
     testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
 }
 
