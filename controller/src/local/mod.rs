@@ -263,7 +263,7 @@ struct Pipeline {
     drivers: BTreeMap<Placement, Arc<dyn Driver>>,
     rules: Rules,
     shutdown: CancellationToken,
-    tasks: tokio::sync::Mutex<tokio::task::JoinSet<anyhow::Result<()>>>,
+    tasks: tokio::task::JoinSet<anyhow::Result<()>>,
 }
 
 impl Pipeline {
@@ -323,7 +323,7 @@ impl Pipeline {
             let shutdown = shutdown.clone();
             tasks.spawn(async move { worker.run(shutdown).await.map_err(anyhow::Error::from) });
         }
-        Ok(Pipeline { _dir: dir, served_url: gitea_url, store, lifecycle, reports, drivers, rules, shutdown, tasks: tokio::sync::Mutex::new(tasks) })
+        Ok(Pipeline { _dir: dir, served_url: gitea_url, store, lifecycle, reports, drivers, rules, shutdown, tasks })
     }
 
     /// Hands `task` to the worker, as a fetched task is; returns its assignment id.
@@ -351,19 +351,18 @@ impl Pipeline {
 
     /// Lets every started environment end and be removed, then stops the pipeline.
     async fn stop(self, jobs: &[Job]) {
-        let retiring = jobs.iter().filter_map(|job| {
+        // A job that never started has no environment: retire returns at its first look.
+        let retiring = jobs.iter().map(|job| {
             let assignment_id = crate::assignment::envelope::assignment_id(job.task_id);
-            job.ended().is_some_and(|e| !e.steps.is_empty() || e.result != TaskResult::Skipped as i32).then(|| {
-                let driver = Arc::clone(&self.drivers[&job.placement]);
-                async move {
-                    let name = crate::driver::environment_name(LOCAL_INSTANCE, &assignment_id);
-                    crate::lifecycle::retire(driver.as_ref(), &name, &assignment_id, Duration::from_secs(15), || {}).await;
-                }
-            })
+            let driver = Arc::clone(&self.drivers[&job.placement]);
+            async move {
+                let name = crate::driver::environment_name(LOCAL_INSTANCE, &assignment_id);
+                crate::lifecycle::retire(driver.as_ref(), &name, &assignment_id, Duration::from_secs(15), || {}).await;
+            }
         });
         futures_util::future::join_all(retiring).await;
         self.shutdown.cancel();
-        let mut tasks = self.tasks.into_inner();
+        let mut tasks = self.tasks;
         while tasks.join_next().await.is_some() {}
         self.lifecycle.drain(Duration::from_secs(10)).await;
     }
