@@ -90,6 +90,7 @@ async fn pipeline(name: &str, store: Arc<dyn Store>) {
                 rules: Rules { trust_domain: "example.org".into(), labels: LabelPolicy::default() },
                 max_loops: LOOPS,
                 fetch_interval: Duration::from_millis(20),
+                fetch_interval_max: Duration::from_millis(20),
                 fetch_timeout: Duration::from_secs(5),
             },
         )

@@ -340,8 +340,13 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
     }
 
     if components.scheduler {
-        let scheduler_config =
-            SchedulerConfig { rules: rules.clone(), fetch_interval: config.gitea.fetch_interval, fetch_timeout: config.gitea.fetch_timeout, max_loops: 8 };
+        let scheduler_config = SchedulerConfig {
+            rules: rules.clone(),
+            fetch_interval: config.gitea.fetch_interval,
+            fetch_interval_max: config.gitea.fetch_interval_max,
+            fetch_timeout: config.gitea.fetch_timeout,
+            max_loops: 8,
+        };
         for placement in placements.enabled() {
             let Some(gitea) = registrations.fetcher(placement).cloned() else { continue };
             let scheduler = Arc::new(
@@ -427,7 +432,13 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
             Ok(())
         });
     }
-    tracing::info!(components = ?components, placements = ?placements.enabled(), "controller running");
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        revision = contract::REVISION,
+        components = ?components,
+        placements = ?placements.enabled(),
+        "controller running"
+    );
 
     let mut outcome = Ok(());
     let drain = async {

@@ -59,8 +59,15 @@ pub struct GiteaConfig {
     /// Also accept and declare the previous implementation's `pod` and `vm-dev`.
     #[serde(default)]
     pub legacy_labels: bool,
+    /// The pause after an empty FetchTask right after work was seen (a task handed out,
+    /// an assignment ended, a queued job's webhook); it doubles with each empty reply in
+    /// a row up to `fetch_interval_max` (gitea-runner's two settings of the same names).
     #[serde(default = "default_fetch_interval", with = "duration")]
     pub fetch_interval: Duration,
+    /// The longest pause while idle: what an idle controller costs Gitea, one FetchTask
+    /// per fetch loop this often. Never below `fetch_interval`.
+    #[serde(default = "default_fetch_interval_max", with = "duration")]
+    pub fetch_interval_max: Duration,
     /// The secret of Gitea's `workflow_job` webhook (Gitea ≥ 1.24), in a file: with it,
     /// `POST /hooks/gitea` on `http.listen` takes signed deliveries and a queued job is
     /// fetched at once instead of at the next poll (which stays as the fallback).
@@ -210,6 +217,10 @@ fn default_required_label() -> String {
     crate::assignment::placement::DISPOSABLE.into()
 }
 fn default_fetch_interval() -> Duration {
+    Duration::from_millis(500)
+}
+/// An idle controller polls as it always has (every 2 s, gitea-runner's `fetch_interval`).
+fn default_fetch_interval_max() -> Duration {
     Duration::from_secs(2)
 }
 fn default_fetch_timeout() -> Duration {
@@ -557,7 +568,7 @@ image = "gitea-dynamic-runner/runner:latest"
     fn minimal_config_and_defaults() {
         let config = parse(MINIMAL, &[]).unwrap();
         assert_eq!(config.total_capacity(), 4);
-        assert_eq!(config.gitea.fetch_interval, Duration::from_secs(2));
+        assert_eq!((config.gitea.fetch_interval, config.gitea.fetch_interval_max), (Duration::from_millis(500), Duration::from_secs(2)));
         assert!(matches!(config.store, StoreConfig::Embedded { .. }));
         assert_eq!(config.http.listen, "127.0.0.1:9100");
     }

@@ -50,7 +50,7 @@ pub const EXIT_USAGE: u8 = 64;
 pub fn run(cli: cli::Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         cli::Command::Version => {
-            println!("controller {}", env!("CARGO_PKG_VERSION"));
+            println!("controller {} (revision {})", env!("CARGO_PKG_VERSION"), contract::REVISION);
             println!("protocols: runner.v1, ping.v1 (Connect over HTTP/1.1); facade.v1 (gRPC)");
             Ok(ExitCode::SUCCESS)
         }

@@ -109,15 +109,15 @@ impl Lifecycle {
     async fn end(&self, assignment_id: &str, result: i32, reason: Option<&str>) -> Result<Record, LifecycleError> {
         let name = result_name(result);
         let deadline = tokio::time::Instant::now() + FINISH_RETRY;
-        let mut pause = Duration::from_millis(200);
+        let mut pauses = contract::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
         let modified = loop {
             let modified =
                 store::modify(self.store.as_ref(), assignment_id, |current| (!current.is_terminal()).then(|| current.ended(name.clone(), reason))).await;
+            let pause = pauses.next_delay();
             match modified {
                 Err(StoreError::Unavailable { .. }) if tokio::time::Instant::now() + pause < deadline => {
                     tracing::warn!(assignment.id = assignment_id, "the store is unavailable; retrying to record the end");
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
                 }
                 other => break other,
             }

@@ -108,6 +108,9 @@ pub struct Admission {
     capacity: usize,
     state: Mutex<AdmissionState>,
     released: tokio::sync::Notify,
+    /// How many assignments have ended here: idle fetch loops watch it, since a job
+    /// that ends often queues the jobs that need it.
+    ended: tokio::sync::watch::Sender<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -121,7 +124,7 @@ struct AdmissionState {
 
 impl Admission {
     pub fn new(capacity: usize) -> Self {
-        Admission { capacity, state: Mutex::new(AdmissionState::default()), released: tokio::sync::Notify::new() }
+        Admission { capacity, state: Mutex::new(AdmissionState::default()), released: tokio::sync::Notify::new(), ended: tokio::sync::watch::channel(0).0 }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, AdmissionState> {
@@ -161,7 +164,14 @@ impl Admission {
     pub fn release(&self, assignment_id: &str) {
         if self.state().live.remove(assignment_id).is_some() {
             self.released.notify_waiters();
+            self.ended.send_modify(|ended| *ended = ended.wrapping_add(1));
         }
+    }
+
+    /// Changes each time an assignment of this placement ends (not when an unused fetch
+    /// ticket is dropped).
+    pub fn ended(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.ended.subscribe()
     }
 
     /// The live assignment ids whose records are persisted (for a refresh against the

@@ -125,6 +125,7 @@ url = "{gitea}"
 registration_token_file = "{dir}/registration-token"
 credential_dir = "{dir}/runners"
 fetch_interval = "100ms"
+fetch_interval_max = "100ms"
 reconcile_interval = "1s"
 lease_ttl = "2s"
 

@@ -58,6 +58,7 @@ url = "{gitea}"
 registration_token_file = "{dir}/registration-token"
 credential_dir = "{dir}/runners"
 fetch_interval = "100ms"
+fetch_interval_max = "100ms"
 
 [identity]
 trust_domain = "example.org"

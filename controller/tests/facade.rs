@@ -20,7 +20,7 @@ use controller::{
     gitea::registrations::{RegistrationSettings, Registrations},
     lifecycle::Lifecycle,
     placements::{PlacementRuntime, Placements},
-    scheduler::{Outcome, Scheduler, SchedulerConfig, keepalive::KeepAlive},
+    scheduler::{Outcome, Scheduler, keepalive::KeepAlive},
     store::{State, Store, embedded::Embedded},
     worker::{EnvironmentSettings, Worker},
 };
@@ -79,7 +79,7 @@ async fn harness(jobs: usize, capacity: usize) -> Harness {
     let shutdown = CancellationToken::new();
 
     let (observer, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
-    let config = SchedulerConfig { rules: rules(), fetch_interval: Duration::from_millis(50), fetch_timeout: Duration::from_secs(5), max_loops: 8 };
+    let config = common::scheduler_config(rules());
     let scheduler = Arc::new(
         Scheduler::new(PLACEMENT, registrations.fetcher(PLACEMENT).unwrap().clone(), Arc::clone(&store), placements.clone(), config).with_observer(observer),
     );

@@ -79,6 +79,7 @@ registration_token_file = "{dir}/registration-token"
 credential_dir = "{dir}/runners"
 installation = "crash"
 fetch_interval = "100ms"
+fetch_interval_max = "100ms"
 reconcile_interval = "1s"
 
 [identity]

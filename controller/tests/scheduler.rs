@@ -110,12 +110,18 @@ async fn start(fake: &FakeGitea, dir: &std::path::Path, capacity: usize) -> Star
 }
 
 async fn start_with(fake: &FakeGitea, dir: &std::path::Path, capacity: usize, store: Arc<dyn Store>) -> Started {
+    let interval = Duration::from_millis(50);
+    start_paced(fake, dir, capacity, store, (interval, interval)).await
+}
+
+/// As [`start_with`], with the loops' (fetch_interval, fetch_interval_max).
+async fn start_paced(fake: &FakeGitea, dir: &std::path::Path, capacity: usize, store: Arc<dyn Store>, pace: (Duration, Duration)) -> Started {
     let registrations = Registrations::open(&settings(fake, dir), &[DOCKER]).await.unwrap();
     let mut placements = Placements::new();
     placements.add(DOCKER, capacity, None);
     placements.add(KUBERNETES, 10, None);
     let (observer, outcomes) = tokio::sync::mpsc::unbounded_channel();
-    let config = SchedulerConfig { rules: rules(), fetch_interval: Duration::from_millis(50), fetch_timeout: Duration::from_secs(5), max_loops: 8 };
+    let config = SchedulerConfig { fetch_interval: pace.0, fetch_interval_max: pace.1, ..common::scheduler_config(rules()) };
     let scheduler = Arc::new(
         Scheduler::new(DOCKER, registrations.fetcher(DOCKER).unwrap().clone(), Arc::clone(&store), placements.clone(), config).with_observer(observer),
     );
@@ -202,7 +208,7 @@ async fn a_deleted_runner_stops_its_placement_only_and_a_bare_401_is_retried() {
     let metrics = Arc::new(controller::metrics::Metrics::new());
     metrics.set_ready(true);
     let (observer, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
-    let config = SchedulerConfig { rules: rules(), fetch_interval: Duration::from_millis(50), fetch_timeout: Duration::from_secs(5), max_loops: 2 };
+    let config = SchedulerConfig { max_loops: 2, ..common::scheduler_config(rules()) };
     let shutdown = CancellationToken::new();
     let mut running = Vec::new();
     for placement in [DOCKER, KUBERNETES] {
@@ -324,6 +330,41 @@ async fn a_full_placement_leaves_its_jobs_waiting_in_gitea() {
     started.running.await.unwrap().unwrap();
 }
 
+/// The poll's pace: idle loops back off to `fetch_interval_max` (an idle controller costs
+/// Gitea no more than that), and a job that ends — which often queues the jobs that need
+/// it — makes them fetch at once and poll fast again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_loops_back_off_and_an_ended_job_brings_them_back_at_once() {
+    let fake = FakeGitea::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    fake.add_job(Job::new(&["disposable", "container", "docker"]));
+    let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap());
+    // Two loops, 100 ms doubling to 1.6 s: after 100+200+400+800 ms each waits 1.6 s.
+    let mut started = start_paced(&fake, dir.path(), 2, store, (Duration::from_millis(100), Duration::from_millis(1600))).await;
+    let first = match collect(&mut started.outcomes, 1).await.remove(0) {
+        Outcome::Persisted { assignment_id, .. } => assignment_id,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let before = fake.with(|s| s.fetches);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let idle_fetches = fake.with(|s| s.fetches) - before;
+    // Without the backoff: two loops every 100 ms, about 32.
+    assert!((1..=4).contains(&idle_fetches), "{idle_fetches} fetches in 1.6 s of idling (two loops backed off to 1.6 s: 2)");
+
+    let before = fake.with(|s| s.fetches);
+    started.lifecycle.finish(&first, TaskResult::Success as i32).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let at_once = fake.with(|s| s.fetches) - before;
+    tokio::time::sleep(Duration::from_millis(750)).await;
+    let soon_after = fake.with(|s| s.fetches) - before;
+    assert!(at_once >= 1, "no loop fetched within 50 ms of the job's end");
+    // Each loop at once, then after 100, 200 and 400 ms: 8; backed off: at most 2.
+    assert!(soon_after >= 5, "{soon_after} fetches in the 800 ms after a job ended: the loops did not poll fast again");
+    started.shutdown.cancel();
+    started.running.await.unwrap().unwrap();
+}
+
 /// Two schedulers of one registration (as in two controller replicas, each with its own
 /// admission) share one store: only the lease holder fetches, so together they never take
 /// more than the capacity from Gitea; a clean stop hands over at once, a vanished holder
@@ -341,7 +382,7 @@ async fn two_schedulers_of_one_registration_take_turns() {
         let mut placements = Placements::new();
         placements.add(DOCKER, 1, None);
         let (observer, outcomes) = tokio::sync::mpsc::unbounded_channel();
-        let config = SchedulerConfig { rules: rules(), fetch_interval: Duration::from_millis(50), fetch_timeout: Duration::from_secs(5), max_loops: 8 };
+        let config = common::scheduler_config(rules());
         let scheduler = Arc::new(
             Scheduler::new(DOCKER, registrations.fetcher(DOCKER).unwrap().clone(), Arc::clone(&store), placements.clone(), config)
                 .with_observer(observer)

@@ -47,7 +47,7 @@ fn main() -> ExitCode {
         }
         Command::Activate(args) => pid1::dockerd::activate(&args),
         Command::Version => {
-            println!("supervisor {}", env!("CARGO_PKG_VERSION"));
+            println!("supervisor {} (revision {})", env!("CARGO_PKG_VERSION"), contract::REVISION);
             0
         }
     };

@@ -251,15 +251,16 @@ impl Gitea {
         request: &Req,
     ) -> Result<connect::client::Response<Resp>, GiteaError> {
         let options = CallOptions::default().with_timeout(RPC_TIMEOUT);
-        let mut delay = Duration::from_millis(200);
+        let mut delays = contract::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
         let give_up = tokio::time::Instant::now() + Duration::from_secs(300);
         loop {
-            match self.client.unary::<Req, Resp>(&format!("{SERVICE}{method}"), request, &options).await {
+            let result = self.client.unary::<Req, Resp>(&format!("{SERVICE}{method}"), request, &options).await;
+            let delay = delays.next_delay();
+            match result {
                 Ok(response) => return Ok(response),
                 Err(error) if error.code == Code::Unavailable && tokio::time::Instant::now() + delay < give_up => {
                     tracing::warn!(call = method, %error, retry_in = ?delay, "Gitea unavailable; retrying");
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(10));
                 }
                 Err(error) => return Err(self.classify(method, error)),
             }

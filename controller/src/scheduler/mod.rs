@@ -22,6 +22,7 @@ use std::{
     time::Duration,
 };
 
+use contract::backoff::Backoff;
 use proto::runner::v1::Task;
 use tokio_util::sync::CancellationToken;
 
@@ -36,8 +37,10 @@ use crate::{
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub rules: Rules,
-    /// Pause after an empty FetchTask (gitea-runner's fetch_interval is 2 s).
+    /// Pause after an empty FetchTask right after work was seen.
     pub fetch_interval: Duration,
+    /// The longest pause while idle: an idle loop asks Gitea no more often than this.
+    pub fetch_interval_max: Duration,
     /// Per-call deadline of FetchTask.
     pub fetch_timeout: Duration,
     /// Upper bound of concurrent FetchTask loops per registration (below capacity).
@@ -286,7 +289,7 @@ impl Scheduler {
             tokio::select! {
                 () = shutdown.cancelled() => return None,
                 () = admission.released() => {}
-                () = tokio::time::sleep(self.config.fetch_interval.max(Duration::from_secs(1))) => {
+                () = tokio::time::sleep(self.config.fetch_interval_max.max(Duration::from_secs(1))) => {
                     for id in admission.persisted_live() {
                         if let Ok(record) = self.store.get(&id).await
                             && record.as_ref().is_none_or(|r| r.value.is_terminal())
@@ -301,15 +304,26 @@ impl Scheduler {
 
     async fn fetch_loop(&self, index: usize, shutdown: CancellationToken) -> Result<(), GiteaError> {
         let mut failures = 0u32;
+        let mut retry = retry_backoff();
         let mut wakes = self.wake.as_ref().map(wake::Wake::subscribe);
+        let mut ended = self.placements.get(self.placement).map(|runtime| runtime.admission.ended());
+        // The poll's pace, as gitea-runner's: fetch_interval after an empty reply, doubling
+        // while idle up to fetch_interval_max — but back to fetch_interval not only after a
+        // task: work comes in bursts (a push queues several jobs, a job that ends queues the
+        // ones that need it), so also when an assignment ends or Gitea says a job was queued.
+        let mut pace = Backoff::new(self.config.fetch_interval, self.config.fetch_interval_max.max(self.config.fetch_interval));
         while !shutdown.is_cancelled() {
             self.beat(index);
             if !self.lead(index, &shutdown).await {
                 return Ok(());
             }
             let Some(ticket) = self.reserve(index, &shutdown).await else { return Ok(()) };
+            // Whatever happened up to this fetch, the fetch itself answers.
             if let Some(wakes) = &mut wakes {
                 wakes.borrow_and_update();
+            }
+            if let Some(ended) = &mut ended {
+                ended.borrow_and_update();
             }
             let version = self.tasks_version.load(Ordering::SeqCst);
             // Not cut short at shutdown: Gitea may have committed a task to this reply,
@@ -319,17 +333,21 @@ impl Scheduler {
             match fetched {
                 Ok(response) => {
                     failures = 0;
+                    retry.reset();
                     self.tasks_version.fetch_max(response.tasks_version, Ordering::SeqCst);
                     match response.task {
                         Some(task) => {
                             crate::failpoint::hit("after-fetch");
                             // Like gitea-runner: after a task, ask again for real next time.
                             self.tasks_version.store(0, Ordering::SeqCst);
+                            pace.reset();
                             self.handle(task, ticket, &shutdown).await;
                         }
                         None => {
                             drop(ticket);
-                            idle(self.config.fetch_interval, wakes.as_mut(), &shutdown).await;
+                            if idle(pace.next_delay(), wakes.as_mut(), ended.as_mut(), &shutdown).await {
+                                pace.reset();
+                            }
                         }
                     }
                 }
@@ -355,7 +373,7 @@ impl Scheduler {
                     }
                     drop(ticket);
                     failures += 1;
-                    let delay = backoff(failures);
+                    let delay = retry.next_delay();
                     if failures == 1 {
                         tracing::warn!(placement = %self.placement, loop_index = index, %error, "FetchTask failed; backing off");
                     } else {
@@ -399,6 +417,7 @@ impl Scheduler {
         }
         let record = Record::pending(&assignment.id, assignment.placement, self.gitea.runner_uuid(), assignment.encode(), fetched_at_ms);
         let mut attempt = 0u32;
+        let mut retry = retry_backoff();
         loop {
             match self.store.persist(&record).await {
                 Ok(created) => {
@@ -431,7 +450,7 @@ impl Scheduler {
                         tracing::error!(assignment.id = %record.assignment_id, task_id, "giving up on persisting at shutdown; Gitea will time the task out");
                         return;
                     }
-                    tokio::time::sleep(backoff(attempt)).await;
+                    tokio::time::sleep(retry.next_delay()).await;
                 }
             }
         }
@@ -466,12 +485,36 @@ impl Scheduler {
 
 /// After an empty fetch: the poll interval, cut short by a wake (one that came during
 /// the fetch included).
-async fn idle(interval: Duration, wakes: Option<&mut tokio::sync::watch::Receiver<u64>>, shutdown: &CancellationToken) {
-    let Some(wakes) = wakes else { return sleep_or_stop(interval, shutdown).await };
+/// Waits `interval` after an empty FetchTask; cut short, returning true, when Gitea says
+/// a job was queued (`wakes`) or an assignment of the placement ended (`ended`) since
+/// the fetch — signs that work is about.
+async fn idle(
+    interval: Duration,
+    wakes: Option<&mut tokio::sync::watch::Receiver<u64>>,
+    ended: Option<&mut tokio::sync::watch::Receiver<u64>>,
+    shutdown: &CancellationToken,
+) -> bool {
+    async fn changed(receiver: Option<&mut tokio::sync::watch::Receiver<u64>>) {
+        // A closed channel (its sender dropped at shutdown) is no sign of work.
+        let open = match receiver {
+            Some(receiver) => receiver.changed().await.is_ok(),
+            None => false,
+        };
+        if !open {
+            std::future::pending::<()>().await;
+        }
+    }
     tokio::select! {
-        () = shutdown.cancelled() => {}
-        () = tokio::time::sleep(interval) => {}
-        _ = wakes.changed() => tracing::debug!("Gitea queued a job: fetching now"),
+        () = shutdown.cancelled() => false,
+        () = tokio::time::sleep(interval) => false,
+        () = changed(wakes) => {
+            tracing::debug!("Gitea queued a job: fetching now");
+            true
+        }
+        () = changed(ended) => {
+            tracing::debug!("an assignment ended: fetching now");
+            true
+        }
     }
 }
 
@@ -482,18 +525,7 @@ async fn sleep_or_stop(delay: Duration, shutdown: &CancellationToken) {
     }
 }
 
-/// 200 ms doubling to 10 s.
-fn backoff(attempt: u32) -> Duration {
-    Duration::from_millis(200).saturating_mul(1 << attempt.saturating_sub(1).min(6)).min(Duration::from_secs(10))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_to_ten_seconds() {
-        let delays: Vec<u64> = (1..=8).map(|n| backoff(n).as_millis() as u64).collect();
-        assert_eq!(delays, [200, 400, 800, 1600, 3200, 6400, 10000, 10000]);
-    }
+/// Retrying a failed FetchTask or persist: 200 ms doubling to 10 s.
+fn retry_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(200), Duration::from_secs(10))
 }

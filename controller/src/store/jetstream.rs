@@ -307,7 +307,7 @@ impl JetStream {
             Vec::new()
         };
         let deadline = std::time::Instant::now() + SET_UP_PATIENCE;
-        let mut pause = Duration::from_millis(250);
+        let mut pauses = contract::backoff::Backoff::new(Duration::from_millis(250), Duration::from_secs(4));
         let (stream, kv, finished, leases) = loop {
             let (error, transient) = match set_up(&context, &stream_name, base_subject, bucket, replicas, settings.retention).await {
                 Ok(handles) => match without_leader(&context, &replicated).await {
@@ -325,12 +325,12 @@ impl JetStream {
                     (error, transient)
                 }
             };
+            let pause = pauses.next_delay();
             if !transient || std::time::Instant::now() + pause >= deadline {
                 return Err(error);
             }
             tracing::warn!(url, error = %crate::error_chain(&error), "JetStream is not answering yet (a cluster electing its leaders?); retrying");
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(4));
         };
         Ok(Self {
             context,

@@ -186,7 +186,7 @@ impl Worker {
         // A store that does not answer yet (a cluster electing leaders after a node
         // restarted) is waited for, as the loop below waits for its queue: exiting would
         // take the facade and the scheduler of this process down with the worker.
-        let mut pause = Duration::from_millis(500);
+        let mut pause = contract::backoff::Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
         let mut consumer = loop {
             match self.store.consumer(placement, self.runtime.capacity).await {
                 Ok(consumer) => break consumer,
@@ -194,9 +194,8 @@ impl Worker {
                     tracing::warn!(%placement, "cannot open the queue yet; retrying: {}", crate::error_chain(&error));
                     tokio::select! {
                         () = shutdown.cancelled() => return Ok(()),
-                        () = tokio::time::sleep(pause) => {}
+                        () = tokio::time::sleep(pause.next_delay()) => {}
                     }
-                    pause = (pause * 2).min(Duration::from_secs(10));
                 }
                 Err(error) => return Err(error),
             }

@@ -4,6 +4,19 @@ pub use testkit::fake_gitea;
 pub mod dockerd;
 pub mod memory_driver;
 
+/// The fetch loops' settings of these tests: a steady 50 ms poll (no backoff), FetchTask's
+/// deadline 5 s, up to 8 loops.
+pub fn scheduler_config(rules: controller::assignment::Rules) -> controller::scheduler::SchedulerConfig {
+    let interval = std::time::Duration::from_millis(50);
+    controller::scheduler::SchedulerConfig {
+        rules,
+        fetch_interval: interval,
+        fetch_interval_max: interval,
+        fetch_timeout: std::time::Duration::from_secs(5),
+        max_loops: 8,
+    }
+}
+
 /// A controller's `gdr_pool_in_use` gauge, read from its `/metrics` at `metrics`
 /// (`host:port`); `None` while it does not answer.
 pub async fn pool_in_use(metrics: &str) -> Option<u64> {

@@ -129,10 +129,12 @@ impl FacadeClient {
     /// A refusal (wrong identity or capability, another holder) or the deadline.
     pub async fn claim(&mut self, holder: &str, deadline: Duration) -> Result<Claimed, FacadeClientError> {
         let give_up = tokio::time::Instant::now() + deadline;
-        let mut delay = Duration::from_millis(200);
+        let mut delays = contract::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
         loop {
             let request = ClaimRequest { credential: Some(self.credential.clone()), holder: holder.to_owned() };
-            match self.inner.clone().claim(request).await {
+            let result = self.inner.clone().claim(request).await;
+            let delay = delays.next_delay();
+            match result {
                 Ok(response) => {
                     let response = response.into_inner();
                     if !response.session.is_empty() {
@@ -154,7 +156,6 @@ impl FacadeClient {
                 {
                     tracing::warn!(%status, retry_in = ?delay, "facade unavailable; retrying the claim");
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
                 Err(status) => return Err(FacadeClientError::Claim { assignment_id: self.credential.assignment_id.clone(), status }),
             }

@@ -71,6 +71,8 @@ impl Supervisor {
     fn main(&mut self) -> u8 {
         let started = Instant::now();
         tracing::info!(
+            version = env!("CARGO_PKG_VERSION"),
+            revision = contract::REVISION,
             pid = std::process::id(),
             drain_timeout = ?self.args.drain_timeout,
             "supervisor starting; the drain needs a termination grace period longer than the drain timeout"

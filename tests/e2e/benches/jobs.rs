@@ -8,6 +8,12 @@
 //! commit → first step and FetchTask reply → first step, broken down by phase. Asserts
 //! nothing about timing.
 //!
+//! Both run with their default settings, as an operator would: the controller's poll
+//! (500 ms doubling to 2 s while idle) and, where Gitea sends it (≥ 1.24), its
+//! `workflow_job` webhook; gitea-runner's poll (2 s, backing off to 5 s while idle).
+//! Jobs are committed at the same pseudo-random pauses (3–9 s after the previous job
+//! ended) for both, so neither's poll is in step with the commits.
+//!
 //! Phases come from the assignment record (fetched; the environment's reported timeline:
 //! claimed, runner_started, docker_ready, job_started), Docker (container created and
 //! started) and Gitea's job log (the runner's timestamp of the first step's first line).
@@ -23,7 +29,7 @@ use e2e::{
     docker::host,
     stack::{Controller, Options},
 };
-use testkit::gitea::{Gitea, GiteaOptions, Repo};
+use testkit::gitea::{Gitea, GiteaOptions, GiteaVersion, Repo};
 
 const JOB: &str = "jobs:\n  bench:\n    runs-on: [LABELS]\n    steps:\n      - run: echo first-step-RUN\n";
 
@@ -58,6 +64,17 @@ fn first_step_ms(log: &str) -> Option<i64> {
 /// The runner's timestamp of the job log's first line (the task just arrived).
 fn first_line_ms(log: &str) -> Option<i64> {
     log.lines().next().and_then(|l| parse_rfc3339(l.split_whitespace().next()?))
+}
+
+/// The pause before job `n`'s commit: 3–9 s, the same sequence for every runner measured.
+fn pause(n: usize) -> Duration {
+    Duration::from_millis(3000 + (n as u64).wrapping_mul(2_654_435_761) % 6000)
+}
+
+/// Gitea's `workflow_job` webhook to the controller (Gitea ≥ 1.24).
+struct Webhook {
+    url: String,
+    secret: &'static str,
 }
 
 fn median(mut values: Vec<i64>) -> i64 {
@@ -133,9 +150,21 @@ enum Watch {
 
 /// Runs `runs` jobs through a controller made from `options` and returns their phases
 /// (ms), by row name.
-async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str, runs: usize, watch: Watch) -> BTreeMap<&'static str, Vec<i64>> {
+async fn measure(
+    gitea: &Gitea,
+    options: Options,
+    repo_name: &str,
+    labels: &str,
+    runs: usize,
+    watch: Watch,
+    webhook: Option<&Webhook>,
+) -> BTreeMap<&'static str, Vec<i64>> {
+    let metrics_url = format!("http://{}/metrics", options.http_listen);
     let mut controller = Controller::start(options).await;
     let repo = gitea.create_repo(repo_name).await;
+    if let Some(webhook) = webhook {
+        gitea.add_webhook(&repo, &webhook.url, webhook.secret, &["workflow_job"]).await;
+    }
     let label = controller.environment_label();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let pods = matches!(watch, Watch::Pods(_));
@@ -145,12 +174,17 @@ async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str,
     };
     let mut ours = Vec::new();
     for n in 0..runs {
+        // The environment before has gone: every run starts from an idle host.
+        tokio::time::sleep(pause(n)).await;
         ours.push(run_one(gitea, &repo, labels, n).await);
-        // Let the environment go, so every run starts from an idle host.
-        tokio::time::sleep(Duration::from_secs(3)).await;
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let containers = watcher.join().unwrap();
+    if webhook.is_some() {
+        let (_, metrics) = testkit::http_get(&metrics_url).await;
+        let queued = metrics.lines().find(|l| l.starts_with("gdr_webhook_deliveries_total{kind=\"queued\"}")).unwrap_or("none");
+        println!("  ({repo_name}: webhook deliveries that woke the fetch loops: {queued})");
+    }
     let mut records = controller.records().await;
     records.sort_by_key(|r| r.created_at_ms);
     controller.stop().await;
@@ -201,6 +235,34 @@ async fn measure(gitea: &Gitea, options: Options, repo_name: &str, labels: &str,
     rows
 }
 
+/// The floor of an environment's start on this dockerd: a container of one static binary
+/// (the controller image) created and started, `runs` times, on the default bridge network
+/// as the environments are.
+fn floor(runs: usize) -> BTreeMap<&'static str, Vec<i64>> {
+    let docker = host();
+    let (tag, tar) = e2e::paths::controller_image(None);
+    let loaded = docker.docker(&["load", "-i", &tar.display().to_string()]);
+    assert!(loaded.status.success(), "docker load: {}", String::from_utf8_lossy(&loaded.stderr));
+    let mut rows: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for n in 0..runs {
+        let name = format!("gdr-bench-floor-{}-{n}", std::process::id());
+        let before = now_ms();
+        let created = docker.docker(&["create", "--name", &name, &tag, "version"]);
+        let ran = docker.docker(&["start", "--attach", &name]);
+        let wall = now_ms() - before;
+        let times = docker.docker(&["inspect", "-f", "{{.Created}} {{.State.StartedAt}}", &name]);
+        let _ = docker.docker(&["rm", "-f", &name]);
+        assert!(created.status.success() && ran.status.success(), "the floor's container did not run: {ran:?}");
+        let text = String::from_utf8_lossy(&times.stdout).to_string();
+        let mut words = text.split_whitespace().map(parse_rfc3339);
+        if let (Some(Some(created)), Some(Some(started))) = (words.next(), words.next()) {
+            rows.entry("container created → started").or_default().push(started - created);
+        }
+        rows.entry("docker create + start --attach (wall)").or_default().push(wall);
+    }
+    rows
+}
+
 fn print_rows(rows: &BTreeMap<&str, Vec<i64>>) {
     if rows.is_empty() {
         println!("  (not measured: GDR_BENCH_PLACEMENTS)");
@@ -218,14 +280,30 @@ async fn main() {
     let wants = |placement: &str| chosen.as_deref().is_none_or(|list| list.split(',').any(|p| p.trim() == placement));
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
+    // Gitea delivers webhooks to loopback only where allowed (1.23 has no workflow_job).
+    let ini = "[webhook]\nALLOWED_HOST_LIST = loopback\n".to_owned();
+    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), extra_ini: ini, ..GiteaOptions::default() }).await;
     let token = gitea.runner_registration_token().await;
 
-    // The controller: capacity 1, polling every second like the plain runner below.
+    // The controller: capacity 1, its default poll, and the webhook where Gitea has it.
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.capacity = 1;
-    let rows =
-        if wants("docker") { measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs, Watch::Docker).await } else { BTreeMap::new() };
+    options.fetch_interval = None;
+    let secret_dir = tempfile::tempdir().unwrap();
+    let webhook = (gitea.version() != GiteaVersion::V1_23).then(|| {
+        let secret = "bench-webhook-secret-0123456789";
+        let secret_file = secret_dir.path().join("webhook-secret");
+        std::fs::write(&secret_file, secret).unwrap();
+        let port = testkit::free_local_port();
+        options.http_listen = format!("127.0.0.1:{port}");
+        options.extra_gitea = format!("webhook_secret_file = \"{}\"", secret_file.display());
+        Webhook { url: format!("http://127.0.0.1:{port}/hooks/gitea"), secret }
+    });
+    let rows = if wants("docker") {
+        measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs, Watch::Docker, webhook.as_ref()).await
+    } else {
+        BTreeMap::new()
+    };
 
     // vm.opensandbox: the real opensandbox-server (Docker runtime) on the same host; the
     // sandbox is unprivileged there, so without the job-local dockerd.
@@ -233,7 +311,7 @@ async fn main() {
     if wants("vm") {
         let server = tokio::task::block_in_place(|| testkit::opensandbox::OpenSandbox::start(&docker.url(), &image));
         options.opensandbox = Some(e2e::stack::SandboxOptions::on_host(&server, docker));
-        vm_rows = measure(&gitea, options.clone(), "bench-vm", "disposable, vm", runs, Watch::Docker).await;
+        vm_rows = measure(&gitea, options.clone(), "bench-vm", "disposable, vm", runs, Watch::Docker, webhook.as_ref()).await;
         drop(server);
     }
 
@@ -248,8 +326,9 @@ async fn main() {
         let pod_token = pod_gitea.runner_registration_token().await;
         let mut pod_options = Options::new(&pod_gitea.url(), &pod_token, &pod_image, &docker.socket);
         pod_options.capacity = 1;
+        pod_options.fetch_interval = None;
         pod_options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));
-        pod_rows = measure(&pod_gitea, pod_options, "bench-pod", "disposable, container, kubernetes", runs, Watch::Pods(namespace)).await;
+        pod_rows = measure(&pod_gitea, pod_options, "bench-pod", "disposable, container, kubernetes", runs, Watch::Pods(namespace), None).await;
     }
 
     // A plain gitea-runner on the host, same Gitea, same job.
@@ -262,7 +341,9 @@ async fn main() {
         .output()
         .unwrap();
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
-    std::fs::write(d.join("config.yaml"), "runner:\n  fetch_interval: 1s\n  fetch_interval_max: 1s\ncache:\n  enabled: false\n").unwrap();
+    // gitea-runner's defaults (fetch_interval 2s, fetch_interval_max 5s), without its
+    // cache server, which no job here uses.
+    std::fs::write(d.join("config.yaml"), "cache:\n  enabled: false\n").unwrap();
     let mut daemon = std::process::Command::new(&runner)
         .args(["daemon", "--config", "config.yaml"])
         .current_dir(d)
@@ -273,10 +354,13 @@ async fn main() {
     let plain_repo = gitea.create_repo("bench-plain").await;
     let mut plain = Vec::new();
     for n in 0..runs {
+        tokio::time::sleep(pause(n)).await;
         plain.push(run_one(&gitea, &plain_repo, "plain-host", n).await);
     }
     let _ = daemon.kill();
     let _ = daemon.wait();
+
+    let floor_rows = tokio::task::block_in_place(|| floor(runs));
 
     let mut plain_rows: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
     for (committed, log) in &plain {
@@ -285,7 +369,11 @@ async fn main() {
         plain_rows.entry("task received → first step").or_default().push(first_step - received);
         plain_rows.entry("commit → first step").or_default().push(first_step - committed);
     }
-    println!("{runs} jobs each; medians in ms (2 cores, the Docker host and Gitea {} on this machine)", gitea.version().release());
+    println!(
+        "{runs} jobs each; medians in ms (2 cores, the Docker host and Gitea {} on this machine; default polls; {})",
+        gitea.version().release(),
+        if webhook.is_some() { "the controller also takes Gitea's workflow_job webhook" } else { "no webhook: this Gitea has none" }
+    );
     println!("gitea-dynamic-runner (container.docker, gitea-runner v3.3.0 in the image, dockerd on loop-backed ext4):");
     print_rows(&rows);
     println!("gitea-dynamic-runner (vm.opensandbox via opensandbox-server 1.1.1, Docker runtime, no job-local dockerd):");
@@ -295,6 +383,8 @@ async fn main() {
     print_rows(&pod_rows);
     println!("plain gitea-runner v3.3.0 (daemon, host mode, no isolation, same Gitea):");
     print_rows(&plain_rows);
+    println!("the floor: a static hello world (the controller image, `controller version`) on the same dockerd:");
+    print_rows(&floor_rows);
     // The figure the product is judged by: how much later than a persistent runner a job
     // starts in its own environment.
     let plain = median(plain_rows["commit → first step"].clone());

@@ -30,8 +30,9 @@ pub struct Options {
     /// Where the facade makes each docker environment's socket; default in the state dir.
     pub socket_dir: Option<PathBuf>,
     pub extra_gitea: String,
-    /// `gitea.fetch_interval` (default 300 ms).
-    pub fetch_interval: String,
+    /// `gitea.fetch_interval` and `fetch_interval_max` both (default 300 ms: a steady
+    /// poll); None leaves the controller's defaults.
+    pub fetch_interval: Option<String>,
     /// More `[docker]` settings (TOML lines).
     pub docker_extra: String,
     /// The capability key written into a new state directory (two installations have two).
@@ -162,7 +163,7 @@ impl Options {
             state_dir: None,
             socket_dir: None,
             extra_gitea: String::new(),
-            fetch_interval: "300ms".into(),
+            fetch_interval: Some("300ms".into()),
             docker_extra: String::new(),
             job_dockerd: true,
             http_listen: "127.0.0.1:0".into(),
@@ -302,8 +303,7 @@ url = "{gitea}"
 {environment_url}registration_token_file = "{dir}/registration-token"
 credential_dir = "{dir}/runners"
 runner_name = "e2e"
-fetch_interval = "{fetch_interval}"
-reconcile_interval = "2s"
+{fetch_interval}reconcile_interval = "2s"
 {extra}
 
 [identity]
@@ -327,7 +327,11 @@ capacity = {capacity}
             gitea = options.gitea_url,
             dir = dir.display(),
             extra = options.extra_gitea,
-            fetch_interval = options.fetch_interval,
+            fetch_interval = options
+                .fetch_interval
+                .as_ref()
+                .map(|interval| format!("fetch_interval = \"{interval}\"\nfetch_interval_max = \"{interval}\"\n"))
+                .unwrap_or_default(),
             capacity = options.capacity,
             http_listen = options.http_listen,
         );

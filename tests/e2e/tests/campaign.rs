@@ -151,6 +151,7 @@ registration_token_file = "{dir}/registration-token"
 credential_dir = "{dir}/runners"
 installation = "{installation}"
 fetch_interval = "300ms"
+fetch_interval_max = "300ms"
 reconcile_interval = "2s"
 lease_ttl = "3s"
 

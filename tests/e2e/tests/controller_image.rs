@@ -2,7 +2,9 @@
 //! loads into a real dockerd, holds the static controller, CA certificates and the user
 //! table and nothing else (no shell for a job or an intruder to use), runs as its non-root
 //! user, carries its OCI labels, and says which file it could not read when started
-//! without a configuration. Building it twice gives the same bytes.
+//! without a configuration. Building it twice gives the same bytes. The `docker build`
+//! context the script lays out (`--context`) builds, with no network, into the same
+//! image: the same files, user, entrypoint, command, environment and labels.
 
 #![allow(clippy::unwrap_used)]
 
@@ -45,24 +47,56 @@ async fn the_controller_image_is_the_controller_alone_as_a_non_root_user() {
     let said = String::from_utf8_lossy(&unconfigured.stderr);
     assert!(said.contains("cannot read /etc/gitea-dynamic-runner/controller.toml"), "{said}");
 
+    let files = image_files(&tag, cache.path());
+    assert_eq!(files, BTreeSet::from(["etc/group", "etc/passwd", "etc/ssl/certs/ca-certificates.crt", "tmp/", "usr/local/bin/controller"].map(String::from)));
+
+    // `docker build` of the script's context: the same image.
+    let context = cache.path().join("context");
+    let script = Command::new(paths::repository().join("scripts/build-controller-image"))
+        .arg("--context")
+        .arg(&context)
+        .env("CONTROLLER_BIN", paths::static_controller())
+        .env("PEERS_CACHE", cache.path())
+        .output()
+        .unwrap();
+    ok(&script, "scripts/build-controller-image --context");
+    let built = format!("gdr-controller-built:{}", std::process::id());
+    ok(&docker.docker(&["build", "--quiet", "--tag", &built, &context.display().to_string()]), "docker build of the context");
+    let format = "{{.Config.User}}|{{json .Config.Entrypoint}}|{{json .Config.Cmd}}|{{json .Config.Env}}|{{json .Config.Labels}}|{{.Config.WorkingDir}}";
+    let loaded_config = ok(&docker.docker(&["image", "inspect", "--format", format, &tag]), "inspect the loaded image");
+    let built_config = ok(&docker.docker(&["image", "inspect", "--format", format, &built]), "inspect the built image");
+    assert_eq!(built_config, loaded_config, "docker build made another configuration than the tar");
+    assert_eq!(image_files(&built, cache.path()), files, "docker build made another filesystem than the tar");
+    let version =
+        ok(&docker.docker(&["run", "--rm", "--network", "none", "--entrypoint", "/usr/local/bin/controller", &built, "version"]), "the built image runs");
+    assert!(version.starts_with("controller "), "{version}");
+    let _ = docker.docker(&["image", "rm", &built]);
+}
+
+/// The files (and, ending in `/`, the empty directories) of `image`'s filesystem, without
+/// what every container gets from the engine.
+fn image_files(image: &str, scratch: &std::path::Path) -> BTreeSet<String> {
+    let docker = host();
     let name = format!("gdr-controller-image-{}", std::process::id());
-    ok(&docker.docker(&["create", "--name", &name, &tag]), "docker create");
-    let exported = cache.path().join("exported.tar");
+    ok(&docker.docker(&["create", "--name", &name, image]), "docker create");
+    let exported = scratch.join("exported.tar");
     let export = docker.docker(&["export", "-o", &exported.display().to_string(), &name]);
     let _ = docker.docker(&["rm", "-f", &name]);
     ok(&export, "docker export");
-    let listing = ok(&Command::new("tar").arg("-tf").arg(&exported).output().unwrap(), "tar -tf");
-    let files: BTreeSet<&str> = listing
-        .lines()
-        .map(|path| path.trim_start_matches("./"))
-        .filter(|path| !path.ends_with('/'))
+    let listing = ok(&Command::new("tar").arg("-tvf").arg(&exported).output().unwrap(), "tar -tvf");
+    let entries: Vec<(bool, &str)> =
+        listing.lines().filter_map(|line| Some((line.starts_with('d'), line.split_whitespace().nth(5)?.trim_start_matches("./")))).collect();
+    let is_parent = |dir: &str| entries.iter().any(|(_, path)| path.len() > dir.len() && path.starts_with(dir));
+    entries
+        .iter()
+        .filter(|(directory, path)| !path.is_empty() && (!directory || !is_parent(path)))
+        .map(|(_, path)| (*path).to_owned())
         // What every container gets from the engine, not from the image.
         .filter(|path| {
-            ![".dockerenv", "etc/hostname", "etc/hosts", "etc/resolv.conf", "etc/mtab"].contains(path)
+            ![".dockerenv", "etc/hostname", "etc/hosts", "etc/resolv.conf", "etc/mtab"].contains(&path.as_str())
                 && !path.starts_with("dev/")
                 && !path.starts_with("proc/")
                 && !path.starts_with("sys/")
         })
-        .collect();
-    assert_eq!(files, BTreeSet::from(["etc/group", "etc/passwd", "etc/ssl/certs/ca-certificates.crt", "usr/local/bin/controller"]));
+        .collect()
 }

@@ -448,7 +448,7 @@ async fn a_queued_job_is_fetched_at_once_when_gitea_says_so() {
     std::fs::write(&secret_file, format!("{SECRET}\n")).unwrap();
     let port = testkit::free_local_port();
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
-    options.fetch_interval = format!("{}s", POLL.as_secs());
+    options.fetch_interval = Some(format!("{}s", POLL.as_secs()));
     options.http_listen = format!("127.0.0.1:{port}");
     options.extra_gitea = format!("webhook_secret_file = \"{}\"", secret_file.display());
     let _controller = Controller::start(options).await;

@@ -123,12 +123,11 @@ pub(super) const UMOUNT_TRIES: u32 = 12;
 /// ~2 s in all: long enough for just-killed processes to exit), then `MNT_DETACH`.
 pub(super) fn unmount_retry(path: &Path) -> Result<Unmounted, StorageError> {
     let unmount_error = |source| StorageError::Unmount { mountpoint: path.to_path_buf(), source };
-    for attempt in 0..UMOUNT_TRIES {
+    let mut pauses = contract::backoff::Backoff::new(Duration::from_millis(10), Duration::from_millis(300));
+    for _ in 0..UMOUNT_TRIES {
         match nix::mount::umount2(path, MntFlags::empty()) {
             Ok(()) => return Ok(Unmounted::Cleanly),
-            Err(Errno::EBUSY) => {
-                sleep(Duration::from_millis((10u64 << attempt.min(5)).min(300)));
-            }
+            Err(Errno::EBUSY) => sleep(pauses.next_delay()),
             // Not a mountpoint (any more): nothing to do.
             Err(Errno::EINVAL) => return Ok(Unmounted::WasGone),
             Err(source) => return Err(unmount_error(source)),

@@ -319,10 +319,10 @@ const ATTACH_TRIES: u32 = 64;
 const STATUS_RETRIES: u32 = 40;
 const STATUS_RETRY_DELAY: Duration = Duration::from_millis(50);
 
-/// Short, growing pause before the next GET_FREE after losing a race: the next free
+/// Short, growing pauses before the next GET_FREE after losing a race: the next free
 /// index is usually a different one, so there is nothing to wait for at first.
-fn race_backoff(attempt: u32) -> Duration {
-    Duration::from_millis((5u64 << attempt.min(6)).min(200))
+fn race_backoff() -> contract::backoff::Backoff {
+    contract::backoff::Backoff::new(Duration::from_millis(10), Duration::from_millis(200))
 }
 
 /// Opens read-write (std adds O_CLOEXEC), retrying ENOENT/EACCES 16×25 ms like
@@ -452,6 +452,7 @@ pub(crate) fn attach(paths: &LoopPaths, image: &File, image_path: &Path, strateg
     let control = open_rw_retry(&control_path).map_err(|source| LoopError::OpenControl { path: control_path.clone(), source })?;
     let mut try_configure = strategy == Strategy::Auto;
     let mut last = (PathBuf::new(), Errno::EBUSY);
+    let mut pauses = race_backoff();
     for attempt in 1..=ATTACH_TRIES {
         let index = ioctl_arg(control.as_fd(), LOOP_CTL_GET_FREE, 0).map_err(|source| LoopError::GetFree { path: control_path.clone(), source })?;
         let index = u32::try_from(index).map_err(|_| LoopError::GetFree { path: control_path.clone(), source: Errno::ERANGE })?;
@@ -465,7 +466,7 @@ pub(crate) fn attach(paths: &LoopPaths, image: &File, image_path: &Path, strateg
             BindOutcome::Lost(errno) => {
                 tracing::debug!(device = %device.display(), %errno, attempt, "loop device taken meanwhile; retrying");
                 last = (device, errno);
-                sleep(race_backoff(attempt));
+                sleep(pauses.next_delay());
             }
         }
     }
@@ -649,9 +650,12 @@ mod tests {
 
     #[test]
     fn backoff_stays_small() {
-        let total: Duration = (1..=ATTACH_TRIES).map(race_backoff).sum();
-        assert!(race_backoff(1) <= Duration::from_millis(10));
-        assert!(total <= Duration::from_secs(13), "{total:?}");
+        let mut pauses = race_backoff();
+        let first = pauses.next_delay();
+        let total: Duration = first + (2..=ATTACH_TRIES).map(|_| pauses.next_delay()).sum::<Duration>();
+        assert!(first <= Duration::from_millis(12), "{first:?}");
+        // 64 tries: 200 ms each after the first few, ±20 %.
+        assert!(total <= Duration::from_secs(16), "{total:?}");
     }
 
     // ---- privileged: real loop devices, nodes created in a scratch dev dir ----------
