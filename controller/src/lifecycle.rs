@@ -141,19 +141,19 @@ impl Lifecycle {
             self.release(&record);
             return Ok(record);
         }
-        tracing::error!(assignment.id = assignment_id, "failing the task: {reason}");
+        tracing::error!(assignment.id = assignment_id, reason, "failing the task");
         match (envelope::task_id_of(assignment_id), self.registrations.reports_for(&record.runner)) {
             (Some(task_id), Ok(reports)) => {
                 if let Err(error) = gitea::fail_task(reports.as_ref(), task_id, reason).await {
                     tracing::error!(
                         assignment.id = assignment_id,
                         task_id,
-                        "could not fail the task in Gitea ({}); Gitea will time it out",
-                        crate::error_chain(&error)
+                        error = %crate::error_chain(&error),
+                        "could not fail the task in Gitea; Gitea will time it out"
                     );
                 }
             }
-            (_, Err(error)) => tracing::error!(assignment.id = assignment_id, "{error}"),
+            (_, Err(error)) => tracing::error!(assignment.id = assignment_id, %error, "cannot tell Gitea that the task failed"),
             (None, _) => tracing::error!(assignment.id = assignment_id, "not a Gitea task id; nothing to tell Gitea"),
         }
         self.end(assignment_id, TaskResult::Failure as i32, Some(reason)).await
@@ -180,7 +180,7 @@ impl Lifecycle {
                         match gitea::close_task(reports.as_ref(), task_id, result).await {
                             Ok(()) => tracing::info!(assignment.id = %assignment_id, task_id, "the runner did not report the end Gitea announced; told Gitea"),
                             Err(error) => {
-                                tracing::warn!(assignment.id = %assignment_id, task_id, "cannot tell Gitea the end of the task: {}", crate::error_chain(&error))
+                                tracing::warn!(assignment.id = %assignment_id, task_id, error = %crate::error_chain(&error), "cannot tell Gitea the end of the task")
                             }
                         }
                     }

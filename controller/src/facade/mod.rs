@@ -280,7 +280,7 @@ impl Facade {
             return Err(Status::failed_precondition(format!("{} is not claimed yet", assignment.id)));
         }
         let reports = self.registrations.reports_for(&record.value.runner).map_err(|error| {
-            tracing::error!(assignment.id = %assignment.id, "{error}");
+            tracing::error!(assignment.id = %assignment.id, %error, "no Gitea registration to report this task through");
             Status::failed_precondition(error.to_string())
         })?;
         // A terminal assignment still forwards for a while: after Gitea said "cancelled"
@@ -318,7 +318,7 @@ impl Facade {
                 self.lifecycle.finish(&assignment.id, result).await
             };
             if let Err(error) = finished {
-                tracing::error!(assignment.id = %assignment.id, "cannot record the end of the task: {}", crate::error_chain(&error));
+                tracing::error!(assignment.id = %assignment.id, error = %crate::error_chain(&error), "cannot record the end of the task");
             }
         }
         Ok(UpdateTaskResponse { response: Some(response) })
@@ -364,7 +364,7 @@ impl Facade {
         })
         .await
         {
-            tracing::warn!(assignment.id = %assignment.id, "cannot record the phase: {}", crate::error_chain(&error));
+            tracing::warn!(assignment.id = %assignment.id, error = %crate::error_chain(&error), "cannot record the phase");
         }
         Ok(ReportPhaseResponse {})
     }

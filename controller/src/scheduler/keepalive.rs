@@ -48,7 +48,7 @@ impl KeepAlive {
         let reports = match self.registrations.reports_for(runner) {
             Ok(reports) => reports,
             Err(error) => {
-                tracing::warn!("keep-alive: {error}");
+                tracing::warn!(%error, "keep-alive: no reporter for the runner");
                 return false;
             }
         };
@@ -73,12 +73,12 @@ impl KeepAlive {
                 // Nothing of it ran, so no runner will report its end: Gitea ≥ 1.27 keeps a
                 // cancelled task `cancelling` until one does (1.23 ignores this).
                 if let Err(error) = crate::gitea::close_task(reports.as_ref(), task_id, result).await {
-                    tracing::warn!(task_id, "cannot tell Gitea the end of the task: {}", crate::error_chain(&error));
+                    tracing::warn!(task_id, error = %crate::error_chain(&error), "cannot tell Gitea the end of the task");
                 }
                 true
             }
             Err(error) => {
-                tracing::warn!("cannot finish: {}", crate::error_chain(&error));
+                tracing::warn!(error = %crate::error_chain(&error), "cannot record the end of a task Gitea ended");
                 false
             }
         }

@@ -271,7 +271,7 @@ impl Registered {
     /// at the next sweep (the environment's deletion, and its pool slot, do not wait).
     async fn unregister_gone(&self, name: &str) {
         if let Err(error) = self.registrar.unregister(name).await {
-            tracing::warn!(environment = %name, "the SPIRE entry of a deleted environment stays until the next sweep: {error}");
+            tracing::warn!(environment = %name, %error, "the SPIRE entry of a deleted environment stays until the next sweep");
         }
     }
 

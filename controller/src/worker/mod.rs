@@ -191,7 +191,7 @@ impl Worker {
             match self.store.consumer(placement, self.runtime.capacity).await {
                 Ok(consumer) => break consumer,
                 Err(error @ StoreError::Unavailable { .. }) => {
-                    tracing::warn!(%placement, "cannot open the queue yet; retrying: {}", crate::error_chain(&error));
+                    tracing::warn!(%placement, error = %crate::error_chain(&error), "cannot open the queue yet; retrying");
                     tokio::select! {
                         () = shutdown.cancelled() => return Ok(()),
                         () = tokio::time::sleep(pause.next_delay()) => {}
@@ -309,14 +309,14 @@ impl Worker {
             Err(PlaceError::Driver(error)) if error.is_refusal() => {
                 let reason = format!("the {} environment could not be created: {error}", self.runtime.placement);
                 if let Err(failed) = self.lifecycle.fail(&assignment_id, &reason).await {
-                    tracing::warn!(assignment.id = %assignment_id, "cannot fail the task yet: {}", crate::error_chain(&failed));
+                    tracing::warn!(assignment.id = %assignment_id, error = %crate::error_chain(&failed), "cannot fail the task yet");
                     let _ = delivery.nak(self.nak_delay).await;
                 } else if let Err(error) = delivery.ack().await {
                     tracing::warn!(assignment.id = %assignment_id, %error, "ack failed");
                 }
             }
             Err(error) => {
-                tracing::warn!(assignment.id = %assignment_id, "creating the environment failed; retrying later: {}", crate::error_chain(&error));
+                tracing::warn!(assignment.id = %assignment_id, error = %crate::error_chain(&error), "creating the environment failed; retrying later");
                 let _ = delivery.nak(self.nak_delay).await;
             }
         }

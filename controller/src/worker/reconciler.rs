@@ -205,7 +205,7 @@ impl Reconciler {
         }
         match self.store.persist(record).await {
             Ok(_) => tracing::debug!(assignment.id = %record.assignment_id, "pending record queued again (a no-op unless its message was lost)"),
-            Err(error) => tracing::warn!(assignment.id = %record.assignment_id, "cannot queue the pending record again: {}", crate::error_chain(&error)),
+            Err(error) => tracing::warn!(assignment.id = %record.assignment_id, error = %crate::error_chain(&error), "cannot queue the pending record again"),
         }
     }
 

@@ -98,21 +98,21 @@ pub fn main() -> u8 {
     // capability, the session, the loopback's token) belong to root, and no step may
     // ptrace it.
     if let Err(error) = nix::sys::prctl::set_dumpable(false) {
-        tracing::error!(%error, "agent: cannot make itself non-dumpable; refusing to hold the capability where the job's steps could read it");
+        tracing::error!(%error, "cannot make itself non-dumpable; refusing to hold the capability where the job's steps could read it");
         return exit::INTERNAL;
     }
     let config =
         match std::env::var(CONFIG_ENV).map_err(|e| e.to_string()).and_then(|json| serde_json::from_str::<AgentConfig>(&json).map_err(|e| e.to_string())) {
             Ok(config) => config,
             Err(error) => {
-                tracing::error!("agent: invalid {CONFIG_ENV}: {error}; the agent is started by `supervisor run`");
+                tracing::error!("invalid {CONFIG_ENV}: {error}; the agent is started by `supervisor run`");
                 return exit::USAGE;
             }
         };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
-            tracing::error!(%error, "agent: cannot start the async runtime");
+            tracing::error!(%error, "cannot start the async runtime");
             return exit::INTERNAL;
         }
     };
@@ -131,14 +131,14 @@ async fn run(config: AgentConfig) -> u8 {
     let mut signals = match Signals::new() {
         Ok(signals) => signals,
         Err(error) => {
-            tracing::error!(%error, "agent: cannot install signal handlers");
+            tracing::error!(%error, "cannot install signal handlers");
             return exit::INTERNAL;
         }
     };
     let listener = match bind(&config.socket) {
         Ok(listener) => listener,
         Err(error) => {
-            tracing::error!(socket = %config.socket.display(), %error, "agent: cannot listen on the readiness socket");
+            tracing::error!(socket = %config.socket.display(), %error, "cannot listen on the readiness socket");
             return exit::INTERNAL;
         }
     };
@@ -185,11 +185,11 @@ async fn run(config: AgentConfig) -> u8 {
                 now.docker = Status::Off;
             }
             if now.identity.is_failed() {
-                tracing::error!("agent: {}", now.identity);
+                tracing::error!(identity = %now.identity, "no usable SPIFFE identity for this job");
                 break 'outcome exit::IDENTITY;
             }
             if now.docker.is_failed() {
-                tracing::error!("agent: {}", now.docker);
+                tracing::error!(docker = %now.docker, "the job's dockerd failed");
                 break 'outcome exit::DOCKER;
             }
             // Without a facade, COMMAND is started only once dockerd answers (it may need Docker at once).
@@ -200,7 +200,7 @@ async fn run(config: AgentConfig) -> u8 {
                 changed = watching.changed() => if changed.is_err() { break 'outcome exit::INTERNAL },
                 Some(signal) = signals.recv() => {
                     if stops_before_start(signal) {
-                        tracing::info!(%signal, "agent: stopped before the job started");
+                        tracing::info!(%signal, "stopped before the job started");
                         break 'outcome 128 + signal as u8;
                     }
                 }
@@ -239,7 +239,7 @@ async fn serve_the_runner(
 ) -> u8 {
     use proto::facade::v1::Phase;
     let Ok(capability) = std::env::var(CAPABILITY_ENV) else {
-        tracing::error!("agent: {CAPABILITY_ENV} is not set; the driver injects it with the assignment");
+        tracing::error!("{CAPABILITY_ENV} is not set; the driver injects it with the assignment");
         return exit::USAGE;
     };
     let endpoint = config.identity.as_ref().map(|i| i.endpoint.clone());
@@ -250,7 +250,7 @@ async fn serve_the_runner(
         {
             Ok(client) => client,
             Err(error) => {
-                tracing::error!("agent: {}", crate::error_chain(&error));
+                tracing::error!(error = %crate::error_chain(&error), "cannot reach the controller's facade");
                 return exit::CLAIM;
             }
         };
@@ -260,14 +260,14 @@ async fn serve_the_runner(
     let holder = match holder(&facade.holder_file) {
         Ok(holder) => holder,
         Err(error) => {
-            tracing::error!(file = %facade.holder_file.display(), %error, "agent: cannot keep the holder id");
+            tracing::error!(file = %facade.holder_file.display(), %error, "cannot keep the holder id");
             return exit::INTERNAL;
         }
     };
     let facade_client::Claimed { task, gitea_capabilities } = match client.claim(&holder, Duration::from_secs(120)).await {
         Ok(claimed) => claimed,
         Err(error) => {
-            tracing::error!("agent: {}", crate::error_chain(&error));
+            tracing::error!(error = %crate::error_chain(&error), "cannot claim the task");
             client.report(Phase::Failed, &error.to_string(), 0).await;
             return exit::CLAIM;
         }
@@ -278,7 +278,7 @@ async fn serve_the_runner(
     let runner = match loopback::LocalRunner::new(&facade.assignment_id, facade.labels.clone()) {
         Ok(runner) => runner,
         Err(error) => {
-            tracing::error!(%error, "agent: no randomness for the local runner token");
+            tracing::error!(%error, "no randomness for the local runner token");
             return exit::INTERNAL;
         }
     };
@@ -286,7 +286,7 @@ async fn serve_the_runner(
     let fallback = match proxy::fallback(facade.gitea_url.as_deref()) {
         Ok(fallback) => fallback,
         Err(error) => {
-            tracing::error!("agent: {}", crate::error_chain(&error));
+            tracing::error!(error = %crate::error_chain(&error), "cannot set up the pass-through to Gitea");
             return exit::USAGE;
         }
     };
@@ -312,14 +312,14 @@ async fn serve_the_runner(
     let (address, server) = match loopback::start(loopback::router(served), fallback, shutdown.clone()).await {
         Ok(started) => started,
         Err(error) => {
-            tracing::error!(%error, "agent: cannot listen on 127.0.0.1");
+            tracing::error!(%error, "cannot listen on 127.0.0.1");
             return exit::INTERNAL;
         }
     };
     let written = std::fs::create_dir_all(&facade.runner_dir)
         .and_then(|()| write_private(&facade.runner_dir.join(".runner"), &runner.runner_file(&format!("http://{address}"))));
     if let Err(error) = written {
-        tracing::error!(dir = %facade.runner_dir.display(), %error, "agent: cannot write .runner");
+        tracing::error!(dir = %facade.runner_dir.display(), %error, "cannot write .runner");
         return exit::INTERNAL;
     }
     // Report dockerd's readiness when it comes, without holding the runner back.
@@ -396,7 +396,7 @@ async fn run_job(config: &AgentConfig, cwd: Option<&Path>, signals: &mut Signals
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(error) => {
-            tracing::error!(program, %error, "agent: cannot run the job command");
+            tracing::error!(program, %error, "cannot run the job command");
             return exit::spawn_failure(&error);
         }
     };
@@ -412,7 +412,7 @@ async fn run_job(config: &AgentConfig, cwd: Option<&Path>, signals: &mut Signals
                         status.exit_code()
                     }
                     Err(error) => {
-                        tracing::error!(%error, "agent: waiting for the job failed");
+                        tracing::error!(%error, "waiting for the job failed");
                         exit::INTERNAL
                     }
                 };
@@ -492,7 +492,7 @@ async fn serve(listener: UnixListener, readiness: watch::Receiver<Readiness>, pa
                 connections.spawn(answer(stream, readiness.clone(), passed.clone()));
             }
             Err(error) => {
-                tracing::warn!(%error, "agent: readiness socket accept failed");
+                tracing::warn!(%error, "readiness socket accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }

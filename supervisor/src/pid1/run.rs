@@ -45,7 +45,7 @@ pub fn run(args: RunArgs) -> u8 {
     let pid1 = match Pid1::new() {
         Ok(pid1) => pid1,
         Err(error) => {
-            tracing::error!("{}", crate::error_chain(&error));
+            tracing::error!(error = %crate::error_chain(&error), "cannot become the environment's PID 1");
             return exit::INTERNAL;
         }
     };
@@ -133,11 +133,13 @@ impl Supervisor {
                     tracing::info!(root = %self.args.environment.cgroup_root.display(), "cgroup v1: the hierarchies are writable")
                 }
                 Ok(changed) => tracing::info!(remounted = changed.len(), "cgroup v1: remounted the read-only hierarchies read-write for dockerd"),
-                Err(error) => tracing::warn!("cgroup v1: {}; containers of the job may not start", crate::error_chain(&error)),
+                Err(error) => {
+                    tracing::warn!(error = %crate::error_chain(&error), "cgroup v1: cannot make the hierarchies writable; containers of the job may not start")
+                }
             },
             cgroup::Mode::V2 => match cgroup::nest_v2(&self.args.environment.cgroup_root, Duration::from_secs(10)) {
                 Ok(nested) => tracing::info!(moved = nested.moved, enabled = ?nested.enabled, failed = ?nested.failed, "cgroup v2: nested into init"),
-                Err(error) => tracing::warn!("cgroup v2 nesting failed, containers may not start: {}", crate::error_chain(&error)),
+                Err(error) => tracing::warn!(error = %crate::error_chain(&error), "cgroup v2 nesting failed, containers may not start"),
             },
         }
     }
@@ -393,7 +395,7 @@ impl Supervisor {
         if let Some(prepared) = self.storage.take() {
             match storage::cleanup(&prepared) {
                 Ok(()) => tracing::info!("storage cleaned up"),
-                Err(error) => tracing::error!("storage cleanup failed: {}", crate::error_chain(&error)),
+                Err(error) => tracing::error!(error = %crate::error_chain(&error), "storage cleanup failed"),
             }
         }
         tracing::info!(elapsed = ?started.elapsed(), "drain complete");
