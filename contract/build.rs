@@ -14,7 +14,11 @@ fn main() {
     println!("cargo:rustc-env=GDR_REVISION={revision}");
     // Built again when HEAD moves: a commit moves the branch HEAD names.
     for reference in ["HEAD", &git(&["symbolic-ref", "-q", "HEAD"]).unwrap_or_default(), "packed-refs"] {
-        if let Some(path) = (!reference.is_empty()).then(|| git(&["rev-parse", "--git-path", reference])).flatten() {
+        // Only files that exist: cargo runs a build script whose watched file is missing
+        // on every build, which would rebuild both binaries each time.
+        if let Some(path) = (!reference.is_empty()).then(|| git(&["rev-parse", "--git-path", reference])).flatten()
+            && std::path::Path::new(&path).exists()
+        {
             println!("cargo:rerun-if-changed={path}");
         }
     }

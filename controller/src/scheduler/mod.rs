@@ -483,11 +483,9 @@ impl Scheduler {
     }
 }
 
-/// After an empty fetch: the poll interval, cut short by a wake (one that came during
-/// the fetch included).
 /// Waits `interval` after an empty FetchTask; cut short, returning true, when Gitea says
 /// a job was queued (`wakes`) or an assignment of the placement ended (`ended`) since
-/// the fetch — signs that work is about.
+/// the fetch began — signs that work is about.
 async fn idle(
     interval: Duration,
     wakes: Option<&mut tokio::sync::watch::Receiver<u64>>,
