@@ -70,7 +70,16 @@ pub fn controller() -> PathBuf {
 /// its tag and archive. `cache`: where the script keeps its output (default: the peers'
 /// cache).
 pub fn controller_image(cache: Option<&std::path::Path>) -> (String, PathBuf) {
+    controller_image_with(cache, None)
+}
+
+/// As [`controller_image`], and with `context` also the `docker build` context the script
+/// lays out there (`--context`).
+pub fn controller_image_with(cache: Option<&std::path::Path>, context: Option<&std::path::Path>) -> (String, PathBuf) {
     let mut command = Command::new(repository().join("scripts/build-controller-image"));
+    if let Some(context) = context {
+        command.arg("--context").arg(context);
+    }
     command.env("CONTROLLER_BIN", static_controller());
     if let Some(cache) = cache {
         command.env("PEERS_CACHE", cache);

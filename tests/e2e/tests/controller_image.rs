@@ -52,14 +52,7 @@ async fn the_controller_image_is_the_controller_alone_as_a_non_root_user() {
 
     // `docker build` of the script's context: the same image.
     let context = cache.path().join("context");
-    let script = Command::new(paths::repository().join("scripts/build-controller-image"))
-        .arg("--context")
-        .arg(&context)
-        .env("CONTROLLER_BIN", paths::static_controller())
-        .env("PEERS_CACHE", cache.path())
-        .output()
-        .unwrap();
-    ok(&script, "scripts/build-controller-image --context");
+    paths::controller_image_with(Some(cache.path()), Some(&context));
     let built = format!("gdr-controller-built:{}", std::process::id());
     ok(&docker.docker(&["build", "--quiet", "--tag", &built, &context.display().to_string()]), "docker build of the context");
     let format = "{{.Config.User}}|{{json .Config.Entrypoint}}|{{json .Config.Cmd}}|{{json .Config.Env}}|{{json .Config.Labels}}|{{.Config.WorkingDir}}";
