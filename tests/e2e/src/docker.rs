@@ -3,6 +3,12 @@
 //! Gitea listens on the bridge's address — and several test binaries or a leftover
 //! daemon never collide. It stops when the test binary exits (atexit), taking its
 //! containers with it; every test still removes its own environments and checks that.
+//!
+//! A subnet is never shared, not even with a bridge some earlier binary left behind: with
+//! two interfaces on one /24 the kernel routes replies to containers out of the older
+//! one, and every container loses the host (a CI run's sandboxes could not reach the
+//! facade for two minutes that way). So the bridge is chosen under a lock, on a /24 that
+//! no interface uses, and bridges whose owner is gone are deleted first.
 
 use std::{
     collections::HashSet,
@@ -35,18 +41,7 @@ pub fn host() -> &'static HostDocker {
 
 impl HostDocker {
     fn start() -> HostDocker {
-        let pid = std::process::id();
-        let bridge = format!("gdre{}", pid % 100_000);
-        let bridge_ip = Ipv4Addr::new(10, 213, u8::try_from(pid % 250).unwrap(), 1);
-        let _ = run("ip", &["link", "del", &bridge]);
-        for args in [
-            vec!["link", "add", bridge.as_str(), "type", "bridge"],
-            vec!["addr", "add", &format!("{bridge_ip}/24"), "dev", bridge.as_str()],
-            vec!["link", "set", bridge.as_str(), "up"],
-        ] {
-            let output = run("ip", &args);
-            assert!(output.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&output.stderr));
-        }
+        let (bridge, bridge_ip) = claim_bridge();
         let dir = tempfile::Builder::new().prefix("gdr-e2e-dockerd-").tempdir_in("/tmp").unwrap().keep();
         let socket = dir.join("docker.sock");
         let log = std::fs::File::create(dir.join("dockerd.log")).unwrap();
@@ -129,15 +124,16 @@ impl HostDocker {
 impl crate::SharedPeer for HostDocker {
     fn stop(&self) {
         let _ = run("kill", &["-TERM", &self.pid.to_string()]);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Path::new(&format!("/proc/{}", self.pid)).exists() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = run("kill", &["-KILL", &self.pid.to_string()]);
         if let Some(mut child) = self.child.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            // Our child stays in /proc as a zombie until reaped: ask it, not /proc.
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
             let _ = child.wait();
         }
-        let _ = run("ip", &["link", "del", &self.bridge]);
+        release_bridge(&self.bridge);
         // dockerd leaves its netns and overlay mounts behind after a stop.
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         let dir = self.dir.display().to_string();
@@ -148,4 +144,83 @@ impl crate::SharedPeer for HostDocker {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Where each binary's bridge records its owner (pid and start time), so that the next
+/// binary can tell a leftover bridge from one in use.
+const BRIDGES: &str = "/tmp/gdr-e2e-bridges";
+
+/// Creates this binary's bridge on a /24 of 10.213.0.0/16 that no interface uses, after
+/// deleting the bridges whose owner is gone; returns its name and the host's address on it.
+fn claim_bridge() -> (String, Ipv4Addr) {
+    std::fs::create_dir_all(BRIDGES).unwrap();
+    let lock = std::fs::File::create(Path::new(BRIDGES).join(".lock")).unwrap();
+    // Two binaries (a test and a bench) must not pick the same free subnet at once.
+    lock.lock().unwrap();
+    for bridge in bridges() {
+        let owner = std::fs::read_to_string(Path::new(BRIDGES).join(&bridge)).unwrap_or_default();
+        if !owner_alive(&owner) {
+            release_bridge(&bridge);
+        }
+    }
+    let pid = std::process::id();
+    let used = subnets_in_use();
+    let third = (0..250u32).map(|i| u8::try_from((pid + i) % 250).unwrap()).find(|third| !used.contains(third));
+    let third = third.expect("every 10.213.x.0/24 is in use by an interface: delete the stale ones (ip -br addr)");
+    let bridge = format!("gdre{}", pid % 100_000);
+    let bridge_ip = Ipv4Addr::new(10, 213, third, 1);
+    let _ = run("ip", &["link", "del", &bridge]);
+    for args in [
+        vec!["link", "add", bridge.as_str(), "type", "bridge"],
+        vec!["addr", "add", &format!("{bridge_ip}/24"), "dev", bridge.as_str()],
+        vec!["link", "set", bridge.as_str(), "up"],
+    ] {
+        let output = run("ip", &args);
+        assert!(output.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    std::fs::write(Path::new(BRIDGES).join(&bridge), format!("{pid} {}", start_time(pid).unwrap_or_default())).unwrap();
+    (bridge, bridge_ip)
+}
+
+fn release_bridge(bridge: &str) {
+    let _ = run("ip", &["link", "del", bridge]);
+    let _ = std::fs::remove_file(Path::new(BRIDGES).join(bridge));
+}
+
+/// The names of the test bridges on this host.
+fn bridges() -> Vec<String> {
+    let output = run("ip", &["-o", "link", "show", "type", "bridge"]);
+    let text = String::from_utf8_lossy(&output.stdout);
+    // "12: gdre123: <BROADCAST,…" (a name may carry "@…" for its parent).
+    text.lines()
+        .filter_map(|line| line.split(": ").nth(1))
+        .map(|name| name.split('@').next().unwrap_or(name).to_owned())
+        .filter(|name| name.starts_with("gdre"))
+        .collect()
+}
+
+/// The third octets of the 10.213.x.0/24 subnets some interface has an address in.
+fn subnets_in_use() -> HashSet<u8> {
+    let output = run("ip", &["-4", "-o", "addr", "show"]);
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.split_whitespace()
+        .filter_map(|word| word.split('/').next()?.parse::<Ipv4Addr>().ok())
+        .filter(|address| address.octets()[..2] == [10, 213])
+        .map(|address| address.octets()[2])
+        .collect()
+}
+
+/// Whether the process a bridge record names ("<pid> <start time>") still runs: the
+/// start time tells a reused pid from its first owner.
+fn owner_alive(record: &str) -> bool {
+    let mut fields = record.split_whitespace();
+    let (Some(pid), Some(started)) = (fields.next().and_then(|p| p.parse().ok()), fields.next()) else { return false };
+    start_time(pid).is_some_and(|now| now == started)
+}
+
+/// A process's start time in clock ticks since boot (field 22 of /proc/PID/stat).
+fn start_time(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces: count from its closing parenthesis.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19).map(str::to_owned)
 }
