@@ -7,6 +7,7 @@
 use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
+use contract::error_chain;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_rustls::HttpsConnector;
@@ -20,7 +21,6 @@ use crate::{
     code::Code,
     codec::{Codec, Message},
     error::ConnectError,
-    error::error_chain,
     protocol,
 };
 

@@ -23,5 +23,5 @@ pub mod server;
 pub use client::{CallOptions, Client};
 pub use code::Code;
 pub use codec::{Codec, Message};
-pub use error::{ConnectError, error_chain};
+pub use error::ConnectError;
 pub use server::{BoxBody, Fallback, Request, Response, Router, serve, serve_with_fallback};

@@ -7,6 +7,7 @@
 use std::{collections::HashMap, convert::Infallible, future::Future, net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::Bytes;
+use contract::error_chain;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     code::Code,
     codec::{Codec, Message},
-    error::{ConnectError, error_chain},
+    error::ConnectError,
     protocol,
 };
 

@@ -38,7 +38,7 @@ pub mod worker;
 
 use std::process::ExitCode;
 
-pub use connect::error_chain;
+pub use contract::error_chain;
 
 /// Exit code for invalid configuration (EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;

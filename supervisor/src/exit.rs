@@ -2,22 +2,11 @@
 //!
 //! The normal code is the job's: its exit status, or 128+N after signal N (as tini,
 //! catatonit and shells do). The supervisor's own failures use 64 and 70–79 so they
-//! are not mistaken for a job's.
+//! are not mistaken for a job's; they live in [`contract::exit`], where the controller
+//! reads what they mean.
 
-/// Invalid configuration (EX_USAGE).
-pub const USAGE: u8 = 64;
-/// An unexpected failure of the supervisor itself.
-pub const INTERNAL: u8 = 70;
-/// The job's SPIFFE identity was not offered before the deadline.
-pub const IDENTITY: u8 = 71;
-/// dockerd did not become ready.
-pub const DOCKER: u8 = 72;
-/// Storage for /var/lib/docker could not be prepared.
-pub const STORAGE: u8 = 73;
-/// `job-started`: identity or dockerd not ready before the hook's deadline.
-pub const NOT_READY: u8 = 74;
-/// The task could not be claimed from the facade (refused, or unreachable).
-pub const CLAIM: u8 = 75;
+pub use contract::exit::{CLAIM, DOCKER, IDENTITY, INTERNAL, NOT_READY, STORAGE, USAGE};
+
 /// The job command could not be executed: not found (126 for permission, as shells).
 pub const COMMAND_NOT_FOUND: u8 = 127;
 pub const COMMAND_NOT_EXECUTABLE: u8 = 126;

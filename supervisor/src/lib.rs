@@ -18,7 +18,7 @@ pub mod exit;
 pub mod pid1;
 pub mod tools;
 
-pub use connect::error_chain;
+pub use contract::error_chain;
 
 /// One place that sets up logging: `RUST_LOG` filters (default `info`), to stderr,
 /// each line prefixed so it stands out in a job's log.

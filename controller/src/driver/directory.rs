@@ -61,6 +61,7 @@ fn environment(stored: &Stored) -> Environment {
         labels: stored.labels.clone(),
         phase: if stored.terminal { Phase::Terminal } else { Phase::Running },
         detail: String::new(),
+        exit_code: None,
     }
 }
 

@@ -331,6 +331,7 @@ impl DockerDriver {
                     labels,
                     phase: if running { Phase::Running } else { Phase::Exited },
                     detail,
+                    exit_code: if running { None } else { state.exit_code },
                 }))
             }
             Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(None),

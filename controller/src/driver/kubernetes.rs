@@ -492,7 +492,12 @@ pub fn environment_of(pod: &Pod) -> Environment {
         labels,
         phase,
         detail,
+        exit_code: job_container(pod).and_then(|c| c.state?.terminated).map(|t| i64::from(t.exit_code)),
     }
+}
+
+fn job_container(pod: &Pod) -> Option<ContainerStatus> {
+    pod.status.as_ref()?.container_statuses.as_deref()?.iter().find(|c| c.name == CONTAINER).cloned()
 }
 
 fn phase_of(pod: &Pod) -> (Phase, String) {
@@ -512,7 +517,7 @@ const DELETED: &str = " after the Pod was deleted (through the Kubernetes API, o
 
 fn phase_without_deletion(pod: &Pod) -> (Phase, String) {
     let status = pod.status.clone().unwrap_or_default();
-    let container = status.container_statuses.as_deref().unwrap_or_default().iter().find(|c| c.name == CONTAINER).cloned();
+    let container = job_container(pod);
     let pod_reason = || {
         let mut detail = String::new();
         if let Some(reason) = status.reason.as_deref().filter(|r| !r.is_empty()) {

@@ -93,6 +93,20 @@ pub struct Environment {
     /// Why it ended, in the backend's words (exit code, OOM kill, eviction …); empty
     /// while it runs.
     pub detail: String,
+    /// The code its main process (the supervisor) exited with, where the backend says.
+    pub exit_code: Option<i64>,
+}
+
+impl Environment {
+    /// Why an environment that never claimed its job ended: the backend's words and,
+    /// since no job ran to give the code, what the supervisor said with it.
+    pub fn why_unclaimed(&self) -> String {
+        let detail = if self.detail.is_empty() { "no reason given" } else { self.detail.as_str() };
+        match self.exit_code.and_then(contract::exit::meaning) {
+            Some(meaning) => format!("{detail} — {meaning}"),
+            None => detail.to_owned(),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -208,6 +222,35 @@ pub fn selector(instance: &str, placement: Placement) -> BTreeMap<String, String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unclaimed_environment_says_what_the_supervisors_code_meant() {
+        let ended = |detail: &str, exit_code| Environment {
+            name: "e".into(),
+            assignment_id: "a".into(),
+            labels: BTreeMap::new(),
+            phase: Phase::Exited,
+            detail: detail.into(),
+            exit_code,
+        };
+        let table: &[(&str, Option<i64>, &str)] = &[
+            ("the container exited with code 71", Some(71), "the container exited with code 71 — the job's SPIFFE identity was not issued in time (check"),
+            ("the container exited with code 75", Some(75), "the container exited with code 75 — the supervisor could not claim the job"),
+            // Not the supervisor's: as the backend said it.
+            (
+                "the container exited with code 137 (killed for using more memory than allowed)",
+                Some(137),
+                "the container exited with code 137 (killed for using more memory than allowed)",
+            ),
+            ("the Pod Evicted", None, "the Pod Evicted"),
+            ("", None, "no reason given"),
+        ];
+        for &(detail, code, want) in table {
+            let why = ended(detail, code).why_unclaimed();
+            assert!(why.starts_with(want), "{detail:?}, {code:?}: {why}");
+        }
+        assert_eq!(ended("the Pod Evicted", None).why_unclaimed(), "the Pod Evicted");
+    }
 
     #[test]
     fn names_are_derived_from_the_installation_and_the_assignment() {

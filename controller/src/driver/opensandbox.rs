@@ -434,13 +434,22 @@ fn environment_of(sandbox: Sandbox) -> Environment {
         }
         detail
     };
+    let exit_code = if phase == Phase::Running { None } else { sandbox.status.message.as_deref().and_then(exit_code_in) };
     Environment {
         name: sandbox.metadata.get(LABEL_ENVIRONMENT).cloned().unwrap_or_else(|| sandbox.id.clone()),
         assignment_id: sandbox.metadata.get(LABEL_ASSIGNMENT).cloned().unwrap_or_default(),
         labels: sandbox.metadata,
         phase,
         detail,
+        exit_code,
     }
+}
+
+/// The code in the server's "Sandbox container exited with code 75." (the Lifecycle API
+/// has no field for it; another wording gives none, and only the explanation is lost).
+fn exit_code_in(message: &str) -> Option<i64> {
+    let (_, after) = message.split_once("exited with code ")?;
+    after.trim_end_matches('.').split_whitespace().next()?.trim_end_matches('.').parse().ok()
 }
 
 #[async_trait]
@@ -578,6 +587,16 @@ mod tests {
         assert_eq!(failed.phase, Phase::Exited);
         assert_eq!(failed.detail, "the sandbox sb-1 is Failed (CONTAINER_EXITED_ERROR): Sandbox container exited with code 3.");
         assert_eq!((failed.name.as_str(), failed.assignment_id.as_str()), ("gdr-x-gitea-task-1", "gitea-task-1"));
+        assert_eq!(failed.exit_code, Some(3));
+        let unclaimed = environment_of(sandbox("Failed", "CONTAINER_EXITED_ERROR", "Sandbox container exited with code 75."));
+        assert!(
+            unclaimed
+                .why_unclaimed()
+                .ends_with("could not claim the job from the controller: the facade refused it, or is unreachable from the environment at facade.url"),
+            "{}",
+            unclaimed.why_unclaimed()
+        );
+        assert_eq!(environment_of(sandbox("Terminated", "CONTAINER_EXITED", "")).exit_code, None);
         assert_eq!(environment_of(sandbox("Terminated", "CONTAINER_EXITED", "")).phase, Phase::Exited);
         assert_eq!(environment_of(sandbox("Stopping", "", "")).phase, Phase::Terminal);
     }

@@ -250,8 +250,7 @@ impl Reconciler {
                     tracing::warn!(environment = %environment.name, %error, "cannot delete the environment yet");
                     return false;
                 }
-                let detail = if environment.detail.is_empty() { "no reason given" } else { environment.detail.as_str() };
-                let reason = format!("the job's environment {} ended before it claimed the job: {detail}", environment.name);
+                let reason = format!("the job's environment {} ended before it claimed the job: {}", environment.name, environment.why_unclaimed());
                 if !self.try_again(&id, &environment.name, &reason).await {
                     self.runtime.pool.release(&id);
                 }

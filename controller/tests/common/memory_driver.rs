@@ -39,7 +39,14 @@ impl MemoryDriver {
 }
 
 fn environment(spec: &EnvironmentSpec, phase: Phase) -> Environment {
-    Environment { name: spec.name.clone(), assignment_id: spec.assignment_id.clone(), labels: spec.labels.clone(), phase, detail: String::new() }
+    Environment {
+        name: spec.name.clone(),
+        assignment_id: spec.assignment_id.clone(),
+        labels: spec.labels.clone(),
+        phase,
+        detail: String::new(),
+        exit_code: None,
+    }
 }
 
 #[async_trait]

@@ -85,8 +85,8 @@ pub fn fallback(gitea: Option<&str>) -> Result<Fallback, ProxyError> {
                     Response::from_parts(parts, body.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>).boxed())
                 }
                 Err(error) => {
-                    tracing::warn!(%method, target = %target, "passing a request to Gitea failed: {}", connect::error_chain(&error));
-                    bad_gateway(&format!("{method} {target}: Gitea at {gitea} did not answer: {}", connect::error_chain(&error)))
+                    tracing::warn!(%method, target = %target, error = %crate::error_chain(&error), "passing a request to Gitea failed");
+                    bad_gateway(&format!("{method} {target}: Gitea at {gitea} did not answer: {}", crate::error_chain(&error)))
                 }
             }
         })

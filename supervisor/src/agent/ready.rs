@@ -1,11 +1,27 @@
 //! The readiness protocol between the agent and `supervisor job-started`: one JSON
-//! line each way over a unix socket owned by the runner uid.
+//! line each way over a unix socket owned by the runner uid. Both ends live here: the
+//! agent's server ([`bind`], [`serve`]), the hook's client ([`wait`]), and the reports
+//! from PID 1 about dockerd that feed the answer ([`read_docker_reports`]).
 //!
 //! request:  `{"wait_ms": 30000}` — answer when everything is ready, something failed,
 //!           or after `wait_ms`, whichever comes first;
 //! response: `{"identity": {"state": "ready", "detail": "…"}, "docker": {…}}`.
 
+use std::{
+    io::{BufRead, BufReader, Write},
+    os::fd::{FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
 use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt},
+    net::{UnixListener, UnixStream},
+    sync::{mpsc, watch},
+};
+
+use super::config::DOCKER_FD;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", content = "detail", rename_all = "snake_case")]
@@ -81,6 +97,153 @@ pub struct Request {
     pub wait_ms: u64,
 }
 
+/// Listens on `socket` (replacing a stale one), readable by the runner uid alone.
+///
+/// # Errors
+/// When the old socket cannot be removed or the new one bound.
+pub fn bind(socket: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    let listener = UnixListener::bind(socket)?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Answers every request on `listener` from `readiness`; `passed` hears of each answer
+/// that let the hook through.
+pub async fn serve(listener: UnixListener, readiness: watch::Receiver<Readiness>, passed: mpsc::UnboundedSender<()>) {
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                connections.spawn(answer(stream, readiness.clone(), passed.clone()));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "readiness socket accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        while connections.try_join_next().is_some() {}
+    }
+}
+
+async fn answer(stream: UnixStream, mut readiness: watch::Receiver<Readiness>, passed: mpsc::UnboundedSender<()>) {
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = tokio::io::BufReader::new(read.take(4096));
+    if reader.read_line(&mut line).await.is_err() {
+        return;
+    }
+    let wait = serde_json::from_str::<Request>(&line).map_or(Duration::ZERO, |r| Duration::from_millis(r.wait_ms));
+    let _ = tokio::time::timeout(wait, readiness.wait_for(Readiness::is_settled)).await;
+    let current = readiness.borrow().clone();
+    let mut answer = serde_json::to_vec(&current).unwrap_or_default();
+    answer.push(b'\n');
+    if write.write_all(&answer).await.is_ok() && current.is_ready() {
+        let _ = passed.send(());
+    }
+}
+
+/// Why the hook could not ask the agent. The hook prints it to the job's log as it is
+/// (one line, no cause chain), so each message carries its cause.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    #[error("connect: {0}")]
+    Connect(std::io::Error),
+    #[error("send: {0}")]
+    Send(std::io::Error),
+    #[error("receive: {0}")]
+    Receive(std::io::Error),
+    #[error("unreadable answer {answer:?}: {error}")]
+    Unreadable { answer: String, error: serde_json::Error },
+    #[error("cannot ask the supervisor agent at {} ({last}); is this environment started by `supervisor run`?", .socket.display())]
+    NoAnswer { socket: PathBuf, last: String },
+}
+
+/// The hook's side: asks the agent, reconnecting while its socket is not there yet,
+/// until `timeout`.
+///
+/// # Errors
+/// [`AskError::NoAnswer`] when the agent could not be asked at all before the deadline.
+pub fn wait(socket: &Path, timeout: Duration) -> Result<Readiness, AskError> {
+    let deadline = Instant::now() + timeout;
+    let mut last_error;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match ask(socket, left) {
+            Ok(readiness) if readiness.is_settled() || left.is_zero() => return Ok(readiness),
+            Ok(readiness) => {
+                // The agent answered early without being settled (its wait was shorter).
+                last_error = readiness.missing();
+                if Instant::now() >= deadline {
+                    return Ok(readiness);
+                }
+            }
+            Err(error) => last_error = error.to_string(),
+        }
+        if Instant::now() >= deadline {
+            return Err(AskError::NoAnswer { socket: socket.to_owned(), last: last_error });
+        }
+        std::thread::sleep(Duration::from_millis(100).min(deadline.saturating_duration_since(Instant::now())));
+    }
+}
+
+fn ask(socket: &Path, wait: Duration) -> Result<Readiness, AskError> {
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).map_err(AskError::Connect)?;
+    stream.set_read_timeout(Some(wait + Duration::from_secs(5))).map_err(AskError::Connect)?;
+    let request = Request { wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX) };
+    let mut line = serde_json::to_vec(&request).unwrap_or_default();
+    line.push(b'\n');
+    stream.write_all(&line).map_err(AskError::Send)?;
+    let mut answer = String::new();
+    BufReader::new(stream).read_line(&mut answer).map_err(AskError::Receive)?;
+    serde_json::from_str(&answer).map_err(|error| AskError::Unreadable { answer, error })
+}
+
+/// Reads PID 1's reports about dockerd from [`DOCKER_FD`], one line each, until the
+/// last (`ready` or `failed`), passing each on.
+pub fn read_docker_reports(mut report: impl FnMut(Status)) {
+    // SAFETY: fd 3 was installed by PID 1 (dup2 in the pre-exec step) for this
+    // process alone; fcntl confirms it is open before ownership is taken, and nothing
+    // else in the agent uses fd 3.
+    let open = unsafe { libc::fcntl(DOCKER_FD, libc::F_GETFD) } != -1;
+    if !open {
+        return report(Status::Failed("PID 1 gave the agent no dockerd report channel (fd 3)".into()));
+    }
+    // SAFETY: see above; the fd is open and owned by nobody else in this process.
+    let fd = unsafe { OwnedFd::from_raw_fd(DOCKER_FD) };
+    let mut reader = BufReader::new(std::fs::File::from(fd));
+    loop {
+        let mut line = String::new();
+        let status = match reader.read_line(&mut line) {
+            Ok(0) => Status::Failed("PID 1 closed the dockerd report channel without a final word".into()),
+            Ok(_) => parse_docker_report(&line),
+            Err(error) => Status::Failed(format!("reading PID 1's dockerd report failed: {error}")),
+        };
+        let last = status.is_final();
+        report(status);
+        if last {
+            return;
+        }
+    }
+}
+
+/// `listening <detail>` (dockerd starts behind its socket), then `ready <detail>` or
+/// `failed <detail>`.
+pub fn parse_docker_report(line: &str) -> Status {
+    let line = line.trim_end();
+    match line.split_once(' ').unwrap_or((line, "")) {
+        ("listening", detail) => Status::Starting(detail.to_owned()),
+        ("ready", detail) => Status::Ready(detail.to_owned()),
+        ("failed", detail) => Status::Failed(detail.to_owned()),
+        _ => Status::Failed(format!("unreadable dockerd report {line:?}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,5 +272,19 @@ mod tests {
         assert!(!readiness.docker.is_final());
         let json = serde_json::to_string(&readiness.docker).unwrap();
         assert_eq!(json, r#"{"state":"starting","detail":"socket bound"}"#);
+    }
+
+    #[test]
+    fn docker_reports() {
+        let table: &[(&str, Status)] = &[
+            ("ready /var/run/docker.sock answered in 412ms\n", Status::Ready("/var/run/docker.sock answered in 412ms".into())),
+            ("failed dockerd exited with 1\n", Status::Failed("dockerd exited with 1".into())),
+            ("ready\n", Status::Ready(String::new())),
+            ("listening /var/run/docker.sock\n", Status::Starting("/var/run/docker.sock".into())),
+            ("bogus\n", Status::Failed("unreadable dockerd report \"bogus\"".into())),
+        ];
+        for (line, want) in table {
+            assert_eq!(&parse_docker_report(line), want, "{line:?}");
+        }
     }
 }

@@ -67,6 +67,16 @@ struct Supervisor {
 /// Stop preparing: the agent ended or SIGTERM arrived.
 struct Interrupted;
 
+/// How starting the job's dockerd ended; PID 1 tells the agent each but the last.
+enum DockerStart {
+    /// `/_ping` answered: how soon, for the report.
+    Ready(String),
+    /// dockerd cannot be used: why.
+    Failed(String),
+    /// A signal, or the agent's end, came first.
+    Interrupted,
+}
+
 impl Supervisor {
     fn main(&mut self) -> u8 {
         let started = Instant::now();
@@ -103,18 +113,18 @@ impl Supervisor {
             }
             let outcome = match socket {
                 Some(Ok(listener)) => self.start_docker(listener),
-                Some(Err(reason)) => Err(Some(reason)),
-                None => Err(Some("dockerd is off".to_owned())),
+                Some(Err(reason)) => DockerStart::Failed(reason),
+                None => DockerStart::Failed("dockerd is off".to_owned()),
             };
             let line = match &outcome {
-                Ok(detail) => format!("ready {detail}\n"),
-                Err(Some(reason)) => format!("failed {reason}\n"),
-                Err(None) => "failed the supervisor is shutting down\n".to_owned(),
+                DockerStart::Ready(detail) => format!("ready {detail}\n"),
+                DockerStart::Failed(reason) => format!("failed {reason}\n"),
+                DockerStart::Interrupted => "failed the supervisor is shutting down\n".to_owned(),
             };
             match &outcome {
-                Ok(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),
-                Err(Some(reason)) => tracing::error!("dockerd is not available: {reason}"),
-                Err(None) => {}
+                DockerStart::Ready(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),
+                DockerStart::Failed(reason) => tracing::error!("dockerd is not available: {reason}"),
+                DockerStart::Interrupted => {}
             }
             // The agent may already be gone; that is handled by the event loop.
             let _ = pipe.write_all(line.as_bytes());
@@ -221,10 +231,9 @@ impl Supervisor {
         }
     }
 
-    /// Storage, then dockerd on `listener` until `/_ping` answers. `Err(None)` =
-    /// interrupted. PID 1 keeps no copy of the socket: without dockerd, a `docker` call
-    /// is refused rather than left waiting.
-    fn start_docker(&mut self, listener: std::os::unix::net::UnixListener) -> Result<String, Option<String>> {
+    /// Storage, then dockerd on `listener` until `/_ping` answers. PID 1 keeps no copy
+    /// of the socket: without dockerd, a `docker` call is refused rather than left waiting.
+    fn start_docker(&mut self, listener: std::os::unix::net::UnixListener) -> DockerStart {
         let storage_config = StorageConfig {
             mountpoint: self.args.environment.docker_data_root.clone(),
             image_path: self.args.storage_image.clone(),
@@ -239,17 +248,19 @@ impl Supervisor {
                 self.storage = Some(prepared);
             }
             Err(error) => {
-                return Err(Some(format!("storage for {} failed: {}", self.args.environment.docker_data_root.display(), crate::error_chain(&error))));
+                return DockerStart::Failed(format!("storage for {} failed: {}", self.args.environment.docker_data_root.display(), crate::error_chain(&error)));
             }
         }
-        self.check_interrupts().map_err(|Interrupted| None)?;
+        if self.check_interrupts().is_err() {
+            return DockerStart::Interrupted;
+        }
 
         for stale in [&self.args.docker_pidfile, &self.args.docker_exec_root.join("containerd/containerd.pid")] {
             let _ = fs::remove_file(stale);
         }
         let log = match open_log(&self.args.environment.dockerd_log) {
             Ok(log) => log,
-            Err(error) => return Err(Some(format!("cannot open {}: {error}", self.args.environment.dockerd_log.display()))),
+            Err(error) => return DockerStart::Failed(format!("cannot open {}: {error}", self.args.environment.dockerd_log.display())),
         };
         let config = DockerdConfig {
             dockerd: self.args.dockerd.clone(),
@@ -276,7 +287,7 @@ impl Supervisor {
         let dockerd_started = Instant::now();
         let pid = match self.pid1.spawn(&mut command) {
             Ok(pid) => pid,
-            Err(error) => return Err(Some(format!("cannot start {}: {error}", config.dockerd.display()))),
+            Err(error) => return DockerStart::Failed(format!("cannot start {}: {error}", config.dockerd.display())),
         };
         drop(listener);
         self.dockerd = Some(pid);
@@ -286,18 +297,18 @@ impl Supervisor {
         loop {
             match dockerd::ping(&self.args.environment.docker_socket, Duration::from_secs(2)) {
                 Ok(_) => {
-                    return Ok(format!(
+                    return DockerStart::Ready(format!(
                         "{} answered /_ping {} ms after dockerd started",
                         self.args.environment.docker_socket.display(),
                         dockerd_started.elapsed().as_millis()
                     ));
                 }
                 Err(error) if Instant::now() >= deadline => {
-                    return Err(Some(format!(
+                    return DockerStart::Failed(format!(
                         "dockerd did not answer within {:?} ({error}); its log ends with:\n{}",
                         self.args.docker_ready_timeout,
                         dockerd::log_tail(&self.args.environment.dockerd_log, 20)
-                    )));
+                    ));
                 }
                 Err(_) => {}
             }
@@ -305,9 +316,14 @@ impl Supervisor {
                 self.handle(event);
             }
             if self.dockerd.is_none() {
-                return Err(Some(format!("dockerd exited while starting; its log ends with:\n{}", dockerd::log_tail(&self.args.environment.dockerd_log, 20))));
+                return DockerStart::Failed(format!(
+                    "dockerd exited while starting; its log ends with:\n{}",
+                    dockerd::log_tail(&self.args.environment.dockerd_log, 20)
+                ));
             }
-            self.check_interrupts().map_err(|Interrupted| None)?;
+            if self.check_interrupts().is_err() {
+                return DockerStart::Interrupted;
+            }
         }
     }
 

@@ -1,0 +1,71 @@
+//! The agent's configuration, as PID 1 hands it over: JSON in one environment variable
+//! with no secret in it (the capability comes on its own, see [`CAPABILITY_ENV`]).
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::AgentError;
+
+/// Environment variable that carries [`AgentConfig`] from PID 1.
+pub const CONFIG_ENV: &str = "SUPERVISOR_AGENT_CONFIG";
+/// The fd on which PID 1 writes one line about dockerd: `ready …` or `failed …`.
+pub const DOCKER_FD: i32 = 3;
+/// The capability comes from the environment the driver set (or from the file PID 1
+/// read and removed), and is not passed on to the job.
+pub const CAPABILITY_ENV: &str = contract::environment::CAPABILITY;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AgentConfig {
+    pub identity: Option<IdentitySettings>,
+    /// Whether PID 1 reports on dockerd through fd 3.
+    pub docker: bool,
+    pub docker_host: Option<String>,
+    pub socket: PathBuf,
+    pub command: Vec<String>,
+    /// With a facade: claim the task and serve it to gitea-runner (the job command)
+    /// through the loopback RunnerService; without: just run the command.
+    #[serde(default)]
+    pub facade: Option<FacadeSettings>,
+}
+
+impl AgentConfig {
+    /// The configuration PID 1 put in [`CONFIG_ENV`].
+    ///
+    /// # Errors
+    /// [`AgentError::Config`] when it is missing or not an [`AgentConfig`].
+    pub fn from_env() -> Result<AgentConfig, AgentError> {
+        let json = std::env::var(CONFIG_ENV).map_err(|e| AgentError::Config(e.to_string()))?;
+        serde_json::from_str(&json).map_err(|e| AgentError::Config(e.to_string()))
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FacadeSettings {
+    pub url: String,
+    pub spiffe_id: Option<String>,
+    pub assignment_id: String,
+    /// Labels for the `.runner` file (CI_RUNNER_LABELS_JSON).
+    pub labels: Vec<String>,
+    /// gitea-runner's working directory, where `.runner` is written.
+    pub runner_dir: PathBuf,
+    /// Keeps the claim's holder id across agent restarts.
+    pub holder_file: PathBuf,
+    /// Gitea as this environment reaches it: the loopback passes every request that is
+    /// not the runner protocol there.
+    #[serde(default)]
+    pub gitea_url: Option<String>,
+    #[serde(default = "default_hooks")]
+    pub hooks: crate::cli::RunnerHooks,
+}
+
+fn default_hooks() -> crate::cli::RunnerHooks {
+    crate::cli::RunnerHooks::Auto
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IdentitySettings {
+    pub spiffe_id: String,
+    pub endpoint: String,
+    pub timeout_ms: u64,
+}
