@@ -205,12 +205,77 @@ pub struct Overrides {
 /// # Errors
 /// Start-up failures (store, Gitea, configuration) and final component errors.
 pub async fn run_with(config: Config, components: Components, overrides: Overrides, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let Overrides { mut drivers, store } = overrides;
+    let Overrides { drivers, store } = overrides;
     let metrics = Arc::new(Metrics::new());
-    let mut tasks = tokio::task::JoinSet::new();
-
-    let listener = tokio::net::TcpListener::bind(&config.http.listen).await.with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
+    let mut tasks = Tasks::new();
     let wake = crate::scheduler::wake::Wake::default();
+    serve_http(&config, &metrics, &wake, &mut tasks, &shutdown).await?;
+    let store = match store {
+        Some(store) => store,
+        None => open_store(&config).await?,
+    };
+    let placements = placements_with_drivers(&config, &components, drivers, &metrics).await?;
+    warn_where_jobs_may_step_out(&config, &placements);
+    let registrations = Registrations::open(&registration_settings(&config), &placements.enabled()).await?;
+    let key = Arc::new(CapabilityKey::from_file(&config.facade.capability_key_file).context("facade.capability_key_file")?);
+    let lifecycle = Lifecycle::new(Arc::clone(&store), placements.clone(), registrations.clone());
+    let parts = Parts { store, key, lifecycle, registrations, metrics, rules: config.rules(), placements };
+
+    let settings = environment_settings(&config);
+    // Each docker environment's own facade socket, served where the facade runs.
+    let sockets = match (&config.facade.environment_socket_dir, components.facade) {
+        (Some(dir), true) => {
+            Some(crate::facade::EnvironmentSockets::new(dir, &settings.instance, &settings.socket_placements).context("facade.environment_socket_dir")?)
+        }
+        _ => None,
+    };
+    spawn_workers(&parts, &config, &components, &settings, sockets.as_ref(), &mut tasks, &shutdown);
+    if components.facade {
+        spawn_facade(&parts, &config, sockets, &mut tasks, &shutdown).await?;
+    }
+    if components.scheduler {
+        spawn_schedulers(&parts, &config, &wake, &mut tasks, &shutdown);
+    }
+    spawn_pruning(&parts, &config, &mut tasks, &shutdown);
+    spawn_gauges(&parts, &mut tasks, &shutdown);
+    spawn_readiness(&parts, &mut tasks, &shutdown);
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        revision = contract::REVISION,
+        components = ?components,
+        placements = ?parts.placements.enabled(),
+        "controller running"
+    );
+    let outcome = join(tasks, &shutdown, JOIN_DEADLINE).await;
+    parts.lifecycle.drain(Duration::from_secs(10)).await;
+    outcome
+}
+
+/// How long components may take to stop after the shutdown signal.
+const JOIN_DEADLINE: Duration = Duration::from_secs(30);
+
+type Tasks = tokio::task::JoinSet<anyhow::Result<()>>;
+
+/// What the components of one process share.
+struct Parts {
+    store: Arc<dyn Store>,
+    key: Arc<CapabilityKey>,
+    lifecycle: Lifecycle,
+    registrations: Registrations,
+    metrics: Arc<Metrics>,
+    rules: crate::assignment::Rules,
+    placements: Placements,
+}
+
+/// `http.listen`: metrics, health, readiness, and Gitea's webhook when a secret is set.
+async fn serve_http(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    wake: &crate::scheduler::wake::Wake,
+    tasks: &mut Tasks,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(&config.http.listen).await.with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
     let hooks = match &config.gitea.webhook_secret_file {
         Some(path) => {
             let secret = std::fs::read_to_string(path).with_context(|| format!("gitea.webhook_secret_file: cannot read {}", path.display()))?;
@@ -226,19 +291,25 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
         }
         None => None,
     };
-    tasks.spawn(named("metrics", crate::metrics::serve(listener, Arc::clone(&metrics), hooks, shutdown.clone())));
+    tasks.spawn(named("metrics", crate::metrics::serve(listener, Arc::clone(metrics), hooks, shutdown.clone())));
+    Ok(())
+}
 
-    let store = match store {
-        Some(store) => store,
-        None => open_store(&config).await?,
-    };
+/// Every configured placement, with its driver where its worker runs here; a backend
+/// that does not answer holds back its own placement only.
+async fn placements_with_drivers(
+    config: &Config,
+    components: &Components,
+    mut drivers: BTreeMap<Placement, Arc<dyn Driver>>,
+    metrics: &Metrics,
+) -> anyhow::Result<Placements> {
     let mut placements = Placements::new();
     for pool in &config.pools {
         let placement = pool.placement;
         if components.worker_for(placement) {
             let connected = match drivers.remove(&placement) {
                 Some(driver) => Ok(Some(driver)),
-                None => driver_for(placement, &config).await,
+                None => driver_for(placement, config).await,
             };
             match connected {
                 Ok(Some(driver)) => {
@@ -247,7 +318,6 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
                 Ok(None) => {
                     bail!("pool {placement}: no [{}] section configures its driver; add one, or leave this worker out of --components", placement.driver)
                 }
-                // One backend down holds back its own placement only.
                 Err(error) => {
                     tracing::error!(%placement, error = %format!("{error:#}"), "cannot reach this placement's backend; its jobs wait in Gitea until it answers (retrying), the other placements run");
                     placements.add_awaiting_driver(placement, pool.capacity);
@@ -258,7 +328,11 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
         }
         metrics.pool_capacity.get_or_create(&PlacementLabel { placement: placement.to_string() }).set(i64::try_from(pool.capacity).unwrap_or(i64::MAX));
     }
-    // Where a mode lets a job step out of its environment, say so once (docs/security.md).
+    Ok(placements)
+}
+
+/// Where a mode lets a job step out of its environment, says so once (docs/security.md).
+fn warn_where_jobs_may_step_out(config: &Config, placements: &Placements) {
     let enabled = placements.enabled();
     let notices = [
         (Placement::CONTAINER_DOCKER, config.docker.as_ref().and_then(crate::driver::docker::DockerConfig::trust_notice)),
@@ -269,12 +343,11 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
             tracing::warn!("{notice}");
         }
     }
-    let registrations = Registrations::open(&registration_settings(&config), &placements.enabled()).await?;
-    let key = Arc::new(CapabilityKey::from_file(&config.facade.capability_key_file).context("facade.capability_key_file")?);
-    let lifecycle = Lifecycle::new(Arc::clone(&store), placements.clone(), registrations.clone());
-    let rules = config.rules();
+}
 
-    let settings = EnvironmentSettings {
+/// What every environment is told: where the facade and Gitea are, who it is.
+fn environment_settings(config: &Config) -> EnvironmentSettings {
+    EnvironmentSettings {
         facade_url: config.facade.url.clone().unwrap_or_default(),
         facade_spiffe_id: config.facade.spiffe_id.clone(),
         spiffe_endpoint_socket: config.facade.environment_spiffe_endpoint_socket.clone(),
@@ -283,19 +356,32 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
         capability_ttl: config.facade.capability_ttl,
         socket_dir: config.facade.environment_socket_dir.clone(),
         socket_placements: crate::facade::sockets::PLACEMENTS.to_vec(),
-    };
-    // Each docker environment's own facade socket, served where the facade runs.
-    let sockets = match (&config.facade.environment_socket_dir, components.facade) {
-        (Some(dir), true) => {
-            Some(crate::facade::EnvironmentSockets::new(dir, &settings.instance, &settings.socket_placements).context("facade.environment_socket_dir")?)
-        }
-        _ => None,
-    };
-    for runtime in placements.iter().filter(|r| components.worker_for(r.placement)) {
+    }
+}
+
+/// One worker per placement whose worker runs here; one whose backend did not answer
+/// at start connects first (retrying until shutdown).
+fn spawn_workers(
+    parts: &Parts,
+    config: &Config,
+    components: &Components,
+    settings: &EnvironmentSettings,
+    sockets: Option<&Arc<crate::facade::EnvironmentSockets>>,
+    tasks: &mut Tasks,
+    shutdown: &CancellationToken,
+) {
+    for runtime in parts.placements.iter().filter(|r| components.worker_for(r.placement)) {
         let (runtime, config, shutdown) = (Arc::clone(runtime), config.clone(), shutdown.clone());
         let make = {
-            let (store, key, settings, rules, lifecycle, sockets, metrics) =
-                (Arc::clone(&store), Arc::clone(&key), settings.clone(), rules.clone(), lifecycle.clone(), sockets.clone(), Arc::clone(&metrics));
+            let (store, key, settings, rules, lifecycle, sockets, metrics) = (
+                Arc::clone(&parts.store),
+                Arc::clone(&parts.key),
+                settings.clone(),
+                parts.rules.clone(),
+                parts.lifecycle.clone(),
+                sockets.cloned(),
+                Arc::clone(&parts.metrics),
+            );
             move |runtime: &Arc<crate::placements::PlacementRuntime>, driver: Arc<dyn Driver>| {
                 Worker::new(Arc::clone(runtime), driver, store, key, settings, rules, lifecycle)
                     .with_sweep_interval(config.gitea.reconcile_interval)
@@ -315,131 +401,139 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
             Arc::new(make(&runtime, driver)).run(shutdown).await
         }));
     }
+}
 
-    if components.facade {
-        let facade = Arc::new(
-            Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), Arc::clone(&key), rules.clone())
-                .with_metrics(Arc::clone(&metrics))
-                .with_session_ttl(config.facade.capability_ttl),
-        );
-        if let Some(sockets) = sockets.clone() {
-            tasks.spawn(named("facade", sockets.serve(Arc::clone(&facade), Arc::clone(&store), shutdown.clone())));
-        }
-        if let Some(listen) = config.facade.insecure_listen.clone() {
-            let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.insecure_listen {listen}"))?;
-            tracing::warn!(%listen, "facade development mode: plain HTTP/2 on a private address, authenticated by the capability alone");
-            tasks.spawn(named("facade", facade::serve_insecure_tcp(Arc::clone(&facade), listener, shutdown.clone())));
-        }
-        if let (Some(listen), Some(endpoint)) = (config.facade.listen.clone(), config.facade.spiffe_endpoint_socket.clone()) {
-            let source =
-                spiffe::X509Source::builder().endpoint(&endpoint).build().await.with_context(|| format!("facade.spiffe_endpoint_socket {endpoint}"))?;
-            let tls = facade::mtls_server_config(source, &config.identity.trust_domain)?;
-            let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.listen {listen}"))?;
-            tasks.spawn(named("facade", facade::serve_mtls(facade, listener, tls, shutdown.clone())));
-        }
-    }
-
-    if components.scheduler {
-        let scheduler_config = SchedulerConfig {
-            rules: rules.clone(),
-            fetch_interval: config.gitea.fetch_interval,
-            fetch_interval_max: config.gitea.fetch_interval_max,
-            fetch_timeout: config.gitea.fetch_timeout,
-            max_loops: 8,
-        };
-        for placement in placements.enabled() {
-            let Some(gitea) = registrations.fetcher(placement).cloned() else { continue };
-            let scheduler = Arc::new(
-                Scheduler::new(placement, gitea, Arc::clone(&store), placements.clone(), scheduler_config.clone())
-                    .with_metrics(Arc::clone(&metrics))
-                    .with_wake(wake.clone())
-                    .with_lease_ttl(config.gitea.lease_ttl),
-            );
-            tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
-        }
-        let keep_alive = KeepAlive { store: Arc::clone(&store), registrations: registrations.clone(), lifecycle: lifecycle.clone() };
-        let interval = config.gitea.keepalive_interval;
-        let keep_shutdown = shutdown.clone();
-        tasks.spawn(async move {
-            keep_alive.run(interval, keep_shutdown).await;
-            Ok(())
-        });
-    }
-
-    // Finished records go after the retention (JetStream's bucket ages them out itself).
-    {
-        let (store, retention, shutdown) = (Arc::clone(&store), config.store.retention(), shutdown.clone());
-        tasks.spawn(async move {
-            while !shutdown.is_cancelled() {
-                let before = crate::store::now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-                match store.prune(before).await {
-                    Ok(0) => {}
-                    Ok(removed) => tracing::info!(removed, ?retention, "finished records past the retention removed"),
-                    Err(error) => tracing::warn!(error = %crate::error_chain(&error), "cannot remove finished records past the retention"),
-                }
-                tokio::select! {
-                    () = shutdown.cancelled() => {}
-                    () = tokio::time::sleep(Duration::from_secs(600)) => {}
-                }
-            }
-            Ok(())
-        });
-    }
-    // Gauges that come from elsewhere, refreshed every few seconds.
-    {
-        let (store, metrics, placements, shutdown) = (Arc::clone(&store), Arc::clone(&metrics), placements.clone(), shutdown.clone());
-        tasks.spawn(async move {
-            while !shutdown.is_cancelled() {
-                for runtime in placements.iter() {
-                    let name = runtime.placement.to_string();
-                    let label = PlacementLabel { placement: name.clone() };
-                    metrics.pool_in_use.get_or_create(&label).set(i64::try_from(runtime.pool.in_use()).unwrap_or(i64::MAX));
-                    if let Ok(depth) = store.queue_depth(runtime.placement).await {
-                        metrics.queue_depth.get_or_create(&label).set(i64::try_from(depth).unwrap_or(i64::MAX));
-                    }
-                }
-                tokio::select! {
-                    () = shutdown.cancelled() => {}
-                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
-                }
-            }
-            Ok(())
-        });
-    }
-    // Ready while the store answers: during a NATS outage nothing can be persisted,
-    // claimed or finished, and a load balancer should know.
-    {
-        let (store, metrics, shutdown) = (Arc::clone(&store), Arc::clone(&metrics), shutdown.clone());
-        metrics.set_ready(true);
-        tasks.spawn(async move {
-            let mut was_ready = true;
-            while !shutdown.is_cancelled() {
-                let ready = tokio::time::timeout(Duration::from_secs(2), store.healthy()).await.is_ok_and(|r| r.is_ok());
-                if ready != was_ready {
-                    if ready {
-                        tracing::info!("the store answers again: ready")
-                    } else {
-                        tracing::warn!("the store does not answer: not ready")
-                    }
-                    was_ready = ready;
-                }
-                metrics.set_ready(ready);
-                tokio::select! {
-                    () = shutdown.cancelled() => {}
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                }
-            }
-            Ok(())
-        });
-    }
-    tracing::info!(
-        version = env!("CARGO_PKG_VERSION"),
-        revision = contract::REVISION,
-        components = ?components,
-        placements = ?placements.enabled(),
-        "controller running"
+/// The facade on each configured transport: the environments' own sockets, the
+/// development-mode TCP listener, the mTLS listener.
+async fn spawn_facade(
+    parts: &Parts,
+    config: &Config,
+    sockets: Option<Arc<crate::facade::EnvironmentSockets>>,
+    tasks: &mut Tasks,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let facade = Arc::new(
+        Facade::new(Arc::clone(&parts.store), parts.registrations.clone(), parts.lifecycle.clone(), Arc::clone(&parts.key), parts.rules.clone())
+            .with_metrics(Arc::clone(&parts.metrics))
+            .with_session_ttl(config.facade.capability_ttl),
     );
+    if let Some(sockets) = sockets {
+        tasks.spawn(named("facade", sockets.serve(Arc::clone(&facade), Arc::clone(&parts.store), shutdown.clone())));
+    }
+    if let Some(listen) = config.facade.insecure_listen.clone() {
+        let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.insecure_listen {listen}"))?;
+        tracing::warn!(%listen, "facade development mode: plain HTTP/2 on a private address, authenticated by the capability alone");
+        tasks.spawn(named("facade", facade::serve_insecure_tcp(Arc::clone(&facade), listener, shutdown.clone())));
+    }
+    if let (Some(listen), Some(endpoint)) = (config.facade.listen.clone(), config.facade.spiffe_endpoint_socket.clone()) {
+        let source = spiffe::X509Source::builder().endpoint(&endpoint).build().await.with_context(|| format!("facade.spiffe_endpoint_socket {endpoint}"))?;
+        let tls = facade::mtls_server_config(source, &config.identity.trust_domain)?;
+        let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.listen {listen}"))?;
+        tasks.spawn(named("facade", facade::serve_mtls(facade, listener, tls, shutdown.clone())));
+    }
+    Ok(())
+}
 
+/// The FetchTask loops of every enabled placement, and the keep-alive of the
+/// assignments nobody reports on yet.
+fn spawn_schedulers(parts: &Parts, config: &Config, wake: &crate::scheduler::wake::Wake, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    let scheduler_config = SchedulerConfig {
+        rules: parts.rules.clone(),
+        fetch_interval: config.gitea.fetch_interval,
+        fetch_interval_max: config.gitea.fetch_interval_max,
+        fetch_timeout: config.gitea.fetch_timeout,
+        max_loops: 8,
+    };
+    for placement in parts.placements.enabled() {
+        let Some(gitea) = parts.registrations.fetcher(placement).cloned() else { continue };
+        let scheduler = Arc::new(
+            Scheduler::new(placement, gitea, Arc::clone(&parts.store), parts.placements.clone(), scheduler_config.clone())
+                .with_metrics(Arc::clone(&parts.metrics))
+                .with_wake(wake.clone())
+                .with_lease_ttl(config.gitea.lease_ttl),
+        );
+        tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
+    }
+    let keep_alive = KeepAlive { store: Arc::clone(&parts.store), registrations: parts.registrations.clone(), lifecycle: parts.lifecycle.clone() };
+    let interval = config.gitea.keepalive_interval;
+    let shutdown = shutdown.clone();
+    tasks.spawn(async move {
+        keep_alive.run(interval, shutdown).await;
+        Ok(())
+    });
+}
+
+/// Finished records go after the retention (JetStream's bucket ages them out itself).
+fn spawn_pruning(parts: &Parts, config: &Config, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    let (store, retention, shutdown) = (Arc::clone(&parts.store), config.store.retention(), shutdown.clone());
+    tasks.spawn(async move {
+        while !shutdown.is_cancelled() {
+            let before = crate::store::now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+            match store.prune(before).await {
+                Ok(0) => {}
+                Ok(removed) => tracing::info!(removed, ?retention, "finished records past the retention removed"),
+                Err(error) => tracing::warn!(error = %crate::error_chain(&error), "cannot remove finished records past the retention"),
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = tokio::time::sleep(Duration::from_secs(600)) => {}
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Gauges that come from elsewhere, refreshed every few seconds.
+fn spawn_gauges(parts: &Parts, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    let (store, metrics, placements, shutdown) = (Arc::clone(&parts.store), Arc::clone(&parts.metrics), parts.placements.clone(), shutdown.clone());
+    tasks.spawn(async move {
+        while !shutdown.is_cancelled() {
+            for runtime in placements.iter() {
+                let label = PlacementLabel { placement: runtime.placement.to_string() };
+                metrics.pool_in_use.get_or_create(&label).set(i64::try_from(runtime.pool.in_use()).unwrap_or(i64::MAX));
+                if let Ok(depth) = store.queue_depth(runtime.placement).await {
+                    metrics.queue_depth.get_or_create(&label).set(i64::try_from(depth).unwrap_or(i64::MAX));
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Ready while the store answers: during a NATS outage nothing can be persisted,
+/// claimed or finished, and a load balancer should know.
+fn spawn_readiness(parts: &Parts, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    let (store, metrics, shutdown) = (Arc::clone(&parts.store), Arc::clone(&parts.metrics), shutdown.clone());
+    metrics.set_ready(true);
+    tasks.spawn(async move {
+        let mut was_ready = true;
+        while !shutdown.is_cancelled() {
+            let ready = tokio::time::timeout(Duration::from_secs(2), store.healthy()).await.is_ok_and(|r| r.is_ok());
+            if ready != was_ready {
+                if ready {
+                    tracing::info!("the store answers again: ready")
+                } else {
+                    tracing::warn!("the store does not answer: not ready")
+                }
+                was_ready = ready;
+            }
+            metrics.set_ready(ready);
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Joins every component; the first to fail stops the others and is the outcome. After
+/// `shutdown`, components get `deadline` to stop.
+async fn join(mut tasks: Tasks, shutdown: &CancellationToken, deadline: Duration) -> anyhow::Result<()> {
     let mut outcome = Ok(());
     let drain = async {
         while let Some(joined) = tasks.join_next().await {
@@ -456,11 +550,10 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
     };
     tokio::select! {
         () = drain => {}
-        () = async { shutdown.cancelled().await; tokio::time::sleep(Duration::from_secs(30)).await } => {
-            tracing::warn!("components did not stop within 30 s; exiting");
+        () = async { shutdown.cancelled().await; tokio::time::sleep(deadline).await } => {
+            tracing::warn!(?deadline, "components did not stop in time; exiting");
         }
     }
-    lifecycle.drain(Duration::from_secs(10)).await;
     outcome
 }
 

@@ -282,6 +282,14 @@ pub enum ConfigError {
     Invalid { setting: String, message: String },
 }
 
+impl ConfigError {
+    /// `setting` (its full name, e.g. `kubernetes.namespace`) is wrong: `message` says
+    /// why and what to write instead.
+    pub fn invalid(setting: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid { setting: setting.into(), message: message.into() }
+    }
+}
+
 /// Environment variables that override settings, and the setting each one names.
 const OVERRIDES: &[(&str, &str)] = &[
     ("GDR_GITEA_URL", "gitea.url"),
@@ -403,10 +411,8 @@ impl Config {
         if self.pools.iter().any(|p| p.placement == Placement::CONTAINER_DOCKER) && self.docker.is_none() {
             return invalid("docker", "pool container.docker needs a [docker] section with at least `image`".into());
         }
-        if let Some(docker) = &self.docker
-            && let Err((setting, message)) = docker.validate_configured()
-        {
-            return invalid(&setting, message);
+        if let Some(docker) = &self.docker {
+            docker.validate_configured()?;
         }
         if self.pools.iter().any(|p| p.placement == Placement::VM_OPENSANDBOX) && self.opensandbox.is_none() {
             return invalid("opensandbox", "pool vm.opensandbox needs an [opensandbox] section with url, api_key_file and image".into());
@@ -426,18 +432,14 @@ impl Config {
                 );
             }
         }
-        if let Some(opensandbox) = &self.opensandbox
-            && let Err((setting, message)) = opensandbox.validate()
-        {
-            return invalid(&setting, message);
+        if let Some(opensandbox) = &self.opensandbox {
+            opensandbox.validate()?;
         }
         if self.pools.iter().any(|p| p.placement == Placement::CONTAINER_KUBERNETES) && self.kubernetes.is_none() {
             return invalid("kubernetes", "pool container.kubernetes needs a [kubernetes] section with namespace and image".into());
         }
-        if let Some(kubernetes) = &self.kubernetes
-            && let Err((setting, message)) = kubernetes.validate()
-        {
-            return invalid(&setting, message);
+        if let Some(kubernetes) = &self.kubernetes {
+            kubernetes.validate()?;
         }
         if self.facade.environment_socket_dir.is_none() && self.facade.listen.is_none() && self.facade.insecure_listen.is_none() {
             return invalid(

@@ -14,7 +14,8 @@
 //! - [`spire`]: the SPIRE entry of each environment that needs its own (OpenSandbox).
 //! - [`facade`]: the environments' only path back to Gitea (service and transports).
 //! - [`lifecycle`]: the one place where an assignment ends.
-//! - [`app`], [`cli`], [`config`], [`metrics`], [`telemetry`]: wiring and edges.
+//! - [`app`], [`cli`], [`config`], [`metrics`], [`telemetry`], [`signal`], [`exit`]:
+//!   wiring and edges.
 
 #![forbid(unsafe_code)]
 
@@ -23,6 +24,7 @@ pub mod assignment;
 pub mod cli;
 pub mod config;
 pub mod driver;
+pub mod exit;
 pub mod facade;
 pub mod failpoint;
 pub mod gitea;
@@ -31,6 +33,7 @@ pub mod local;
 pub mod metrics;
 pub mod placements;
 pub mod scheduler;
+pub mod signal;
 pub mod spire;
 pub mod store;
 pub mod telemetry;
@@ -39,9 +42,6 @@ pub mod worker;
 use std::process::ExitCode;
 
 pub use contract::error_chain;
-
-/// Exit code for invalid configuration (EX_USAGE).
-pub const EXIT_USAGE: u8 = 64;
 
 /// Runs the command the user asked for.
 ///
@@ -55,7 +55,7 @@ pub fn run(cli: cli::Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         cli::Command::Register { config } => {
-            let Some(config) = load_config(&config) else { return Ok(ExitCode::from(EXIT_USAGE)) };
+            let Some(config) = load_config(&config) else { return Ok(ExitCode::from(exit::USAGE)) };
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(app::register(&config))?;
             Ok(ExitCode::SUCCESS)
@@ -64,7 +64,7 @@ pub fn run(cli: cli::Cli) -> anyhow::Result<ExitCode> {
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let code = runtime.block_on(async {
                 let (interrupts, received) = tokio::sync::mpsc::unbounded_channel();
-                let signals = tokio::spawn(forward_interrupts(interrupts));
+                let signals = tokio::spawn(signal::forward_interrupts(interrupts));
                 let code = local::run(*args, received).await;
                 signals.abort();
                 code
@@ -72,18 +72,18 @@ pub fn run(cli: cli::Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(code))
         }
         cli::Command::Run { config, components } => {
-            let Some(config) = load_config(&config) else { return Ok(ExitCode::from(EXIT_USAGE)) };
+            let Some(config) = load_config(&config) else { return Ok(ExitCode::from(exit::USAGE)) };
             let components = match app::Components::parse(&components) {
                 Ok(components) => components,
                 Err(message) => {
                     eprintln!("controller: {message}");
-                    return Ok(ExitCode::from(EXIT_USAGE));
+                    return Ok(ExitCode::from(exit::USAGE));
                 }
             };
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             runtime.block_on(async {
                 let shutdown = tokio_util::sync::CancellationToken::new();
-                let signals = tokio::spawn(stop_on_signals(shutdown.clone()));
+                let signals = tokio::spawn(signal::stop_on_signals(shutdown.clone()));
                 let outcome = app::run(config, components, shutdown.clone()).await;
                 signals.abort();
                 outcome
@@ -101,44 +101,6 @@ fn load_config(path: &std::path::Path) -> Option<config::Config> {
         Err(error) => {
             eprintln!("controller: invalid configuration: {}", error_chain(&error));
             None
-        }
-    }
-}
-
-/// Every SIGINT and SIGTERM, as a message (run-local decides what each means).
-async fn forward_interrupts(interrupts: tokio::sync::mpsc::UnboundedSender<()>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return;
-    };
-    loop {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        if interrupts.send(()).is_err() {
-            return;
-        }
-    }
-}
-
-/// The first SIGTERM or SIGINT starts a graceful stop; a second one ends the process now.
-async fn stop_on_signals(shutdown: tokio_util::sync::CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return;
-    };
-    for round in 0..2 {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        if round == 0 {
-            tracing::info!("stopping: finishing in-flight work (signal again to stop at once)");
-            shutdown.cancel();
-        } else {
-            tracing::warn!("second signal: exiting now");
-            std::process::abort();
         }
     }
 }

@@ -29,7 +29,7 @@ use bollard::{
 use serde::Deserialize;
 
 use super::{Driver, DriverError, Environment, EnvironmentSpec, LABEL_ASSIGNMENT, LABEL_MANAGED, Phase};
-use crate::assignment::placement::Placement;
+use crate::{assignment::placement::Placement, config::ConfigError};
 
 /// How containers are made.
 #[derive(Debug, Clone, Deserialize)]
@@ -152,42 +152,42 @@ impl DockerConfig {
     ///
     /// # Errors
     /// The setting that is wrong, and why.
-    pub fn limits(&self) -> Result<(i64, i64), (String, String)> {
-        let memory = contract::units::parse_size(&self.memory).map_err(|m| ("docker.memory".to_owned(), m))?;
+    pub fn limits(&self) -> Result<(i64, i64), ConfigError> {
+        let memory = contract::units::parse_size(&self.memory).map_err(|m| ConfigError::invalid("docker.memory", m))?;
         if memory < 256 << 20 {
-            return Err(("docker.memory".into(), format!("{:?} is too little for a job and its dockerd: at least 256M", self.memory)));
+            return Err(ConfigError::invalid("docker.memory", format!("{:?} is too little for a job and its dockerd: at least 256M", self.memory)));
         }
-        let cpus: f64 = self.cpus.trim().parse().map_err(|_| ("docker.cpus".to_owned(), format!("{:?} is not a number of CPUs, e.g. 2 or 0.5", self.cpus)))?;
+        let cpus: f64 =
+            self.cpus.trim().parse().map_err(|_| ConfigError::invalid("docker.cpus", format!("{:?} is not a number of CPUs, e.g. 2 or 0.5", self.cpus)))?;
         if !(0.01..=1024.0).contains(&cpus) {
-            return Err(("docker.cpus".into(), format!("{:?} must be between 0.01 and 1024", self.cpus)));
+            return Err(ConfigError::invalid("docker.cpus", format!("{:?} must be between 0.01 and 1024", self.cpus)));
         }
         Ok((i64::try_from(memory).unwrap_or(i64::MAX), (cpus * 1e9) as i64))
     }
 
     /// # Errors
     /// The setting that is wrong, and why.
-    pub fn validate(&self) -> Result<(), (String, String)> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         self.limits()?;
         if self.job_dockerd && !self.privileged && self.cap_add.is_empty() {
-            return Err((
-                "docker.job_dockerd".into(),
+            return Err(ConfigError::invalid(
+                "docker.job_dockerd",
                 "a job-local dockerd needs a container that mounts loop devices: set privileged = true, or the capability and device lists \
-                 (cap_add = [\"ALL\"], device_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"], security_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"])"
-                    .into(),
+                 (cap_add = [\"ALL\"], device_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"], security_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"])",
             ));
         }
         if !self.job_dockerd && (self.privileged || !self.cap_add.is_empty() || !self.device_cgroup_rules.is_empty()) {
-            return Err((
-                "docker.privileged".into(),
-                "privileges and capability lists are for a job-local dockerd only: set job_dockerd = true (trusted code only), or remove them".into(),
+            return Err(ConfigError::invalid(
+                "docker.privileged",
+                "privileges and capability lists are for a job-local dockerd only: set job_dockerd = true (trusted code only), or remove them",
             ));
         }
         if self.pids_limit < 64 {
-            return Err(("docker.pids_limit".into(), format!("{} is too few for a job and its dockerd: at least 64", self.pids_limit)));
+            return Err(ConfigError::invalid("docker.pids_limit", format!("{} is too few for a job and its dockerd: at least 64", self.pids_limit)));
         }
-        let storage = contract::units::parse_size(&self.storage_size).map_err(|m| ("docker.storage_size".to_owned(), m))?;
+        let storage = contract::units::parse_size(&self.storage_size).map_err(|m| ConfigError::invalid("docker.storage_size", m))?;
         if storage < 1 << 30 {
-            return Err(("docker.storage_size".into(), format!("{:?} is too small for a job's images: at least 1G", self.storage_size)));
+            return Err(ConfigError::invalid("docker.storage_size", format!("{:?} is too small for a job's images: at least 1G", self.storage_size)));
         }
         Ok(())
     }
@@ -208,10 +208,13 @@ impl DockerConfig {
     ///
     /// # Errors
     /// The setting that is wrong, and why.
-    pub fn validate_configured(&self) -> Result<(), (String, String)> {
+    pub fn validate_configured(&self) -> Result<(), ConfigError> {
         self.validate()?;
         if self.stop_seconds < 30 {
-            return Err(("docker.stop_seconds".into(), format!("{} is shorter than the supervisor's drain (25 s): at least 30", self.stop_seconds)));
+            return Err(ConfigError::invalid(
+                "docker.stop_seconds",
+                format!("{} is shorter than the supervisor's drain (25 s): at least 30", self.stop_seconds),
+            ));
         }
         Ok(())
     }
@@ -231,7 +234,7 @@ impl DockerDriver {
     /// When the socket is missing or the daemon does not answer.
     pub async fn connect(config: DockerConfig) -> Result<Self, DriverError> {
         let unavailable = |detail: String| DriverError::Unavailable { placement: Placement::CONTAINER_DOCKER.to_string(), detail };
-        config.validate().map_err(|(setting, message)| unavailable(format!("{setting}: {message}")))?;
+        config.validate().map_err(|error| unavailable(error.to_string()))?;
         let docker = Docker::connect_with_unix(&config.socket, 120, bollard::API_DEFAULT_VERSION)
             .map_err(|e| unavailable(format!("cannot use the Docker socket {}: {e}", config.socket)))?
             .negotiate_version()

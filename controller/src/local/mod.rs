@@ -49,9 +49,6 @@ use workflow::{PlannedJob, Workflow};
 /// The installation name of local runs.
 const LOCAL_INSTANCE: &str = "local";
 
-/// Exit code after a cancelled job (as a shell reports SIGINT).
-pub const EXIT_CANCELLED: u8 = 130;
-
 /// The assignments of `tasks` and the rules they were made with, under whichever
 /// label policy takes them all: run-local accepts what a Gitea with either setting would.
 ///
@@ -198,7 +195,7 @@ pub async fn run(args: RunLocalArgs, interrupts: tokio::sync::mpsc::UnboundedRec
             summary(&jobs);
             exit_code(run_result(&jobs))
         }
-        None => EXIT_CANCELLED,
+        None => crate::exit::CANCELLED,
     };
     Ok(code)
 }
@@ -499,8 +496,8 @@ fn list(workflow: &Workflow, jobs: &[Job]) -> String {
 fn exit_code(result: i32) -> u8 {
     match TaskResult::try_from(result) {
         Ok(TaskResult::Success | TaskResult::Skipped) => 0,
-        Ok(TaskResult::Cancelled) => EXIT_CANCELLED,
-        _ => 1,
+        Ok(TaskResult::Cancelled) => crate::exit::CANCELLED,
+        _ => crate::exit::JOB_FAILED,
     }
 }
 

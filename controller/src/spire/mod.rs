@@ -27,6 +27,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::{
     assignment::placement::Placement,
+    config::ConfigError,
     driver::{Changes, Driver, DriverError, Environment, EnvironmentSpec},
 };
 
@@ -80,8 +81,8 @@ impl SpireConfig {
     ///
     /// # Errors
     /// The setting (under `section`, e.g. `opensandbox.spire`) and what is wrong with it.
-    pub fn validate(&self, section: &str) -> Result<(), (String, String)> {
-        let invalid = |setting: &str, message: String| Err((format!("{section}.{setting}"), message));
+    pub fn validate(&self, section: &str) -> Result<(), ConfigError> {
+        let invalid = |setting: &str, message: String| Err(ConfigError::invalid(format!("{section}.{setting}"), message));
         if let Err(message) = spiffe_id(&expand(&self.parent_id, "gdr-sample")) {
             return invalid("parent_id", message);
         }
@@ -373,7 +374,11 @@ mod tests {
         ];
         for (parent, selectors, expected) in cases {
             let result = config(parent, selectors).validate("opensandbox.spire");
-            assert_eq!(result.as_ref().err().map(|(setting, _)| setting.as_str()), *expected, "{parent} {selectors:?}: {result:?}");
+            let named = match &result {
+                Err(ConfigError::Invalid { setting, .. }) => Some(setting.as_str()),
+                _ => None,
+            };
+            assert_eq!(named, *expected, "{parent} {selectors:?}: {result:?}");
         }
     }
 

@@ -329,3 +329,40 @@ pub trait Delivery: Send + Sync {
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(state: State) -> Record {
+        Record {
+            assignment_id: "gitea-task-1".into(),
+            placement: crate::assignment::Placement::CONTAINER_DOCKER,
+            state,
+            envelope: vec![],
+            environment: None,
+            updated_at_ms: 0,
+            created_at_ms: 0,
+            runner: String::new(),
+            phase: None,
+            timeline: Vec::new(),
+            reason: None,
+            ended_at_ms: 0,
+            attempts: 0,
+        }
+    }
+
+    #[test]
+    fn transitions_only_go_forward() {
+        let pending = record(State::Pending);
+        let claimed = record(State::Claimed { holder: "a".into(), claimed_at_ms: 1 });
+        let reclaimed = record(State::Claimed { holder: "b".into(), claimed_at_ms: 2 });
+        let terminal = record(State::Terminal { result: "RESULT_SUCCESS".into() });
+        assert!(check_transition(&pending, &claimed).is_ok());
+        assert!(check_transition(&claimed, &reclaimed).is_ok());
+        assert!(check_transition(&claimed, &terminal).is_ok());
+        assert!(check_transition(&pending, &pending).is_ok());
+        assert!(matches!(check_transition(&terminal, &pending), Err(StoreError::InvalidTransition { .. })));
+        assert!(matches!(check_transition(&claimed, &pending), Err(StoreError::InvalidTransition { .. })));
+    }
+}
