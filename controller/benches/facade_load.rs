@@ -70,7 +70,7 @@ fn start_controller(dir: &Path, gitea: &FakeGitea, nats: &str, capacity: usize) 
     let key = dir.join("capability.key");
     std::fs::write(&key, "0123456789abcdef0123456789abcdef-facade-load\n").unwrap();
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = testkit::free_local_port();
     let config = dir.join("controller.toml");
     std::fs::write(
         &config,

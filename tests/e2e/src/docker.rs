@@ -74,9 +74,7 @@ impl HostDocker {
 
     /// The last lines of dockerd's log.
     pub fn log_tail(&self, lines: usize) -> String {
-        let text = std::fs::read_to_string(self.dir.join("dockerd.log")).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
+        testkit::log_tail(&self.dir.join("dockerd.log"), lines).unwrap_or_default()
     }
 
     /// `unix://…` for DOCKER_HOST and the controller's docker driver.

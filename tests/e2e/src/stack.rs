@@ -81,7 +81,7 @@ impl PodOptions {
     /// A namespace of `cluster` and the facade on a free port of the Pods' host address.
     pub fn on(cluster: &crate::kubernetes::Cluster, namespace: &str) -> PodOptions {
         let host = crate::kubernetes::Cluster::HOST_IP;
-        let port = std::net::TcpListener::bind((host, 0)).unwrap().local_addr().unwrap().port();
+        let port = testkit::free_port(host.into());
         PodOptions {
             kubeconfig: cluster.kubeconfig.clone(),
             namespace: namespace.to_owned(),
@@ -129,7 +129,7 @@ impl SandboxOptions {
     /// `server` on the shared Docker host: the facade on a free port of the host's bridge,
     /// and no job-local dockerd (the Docker runtime's sandboxes are unprivileged).
     pub fn on_host(server: &testkit::opensandbox::OpenSandbox, docker: &crate::docker::HostDocker) -> SandboxOptions {
-        let port = std::net::TcpListener::bind((docker.bridge_ip, 0)).unwrap().local_addr().unwrap().port();
+        let port = testkit::free_port(docker.bridge_ip.into());
         SandboxOptions {
             url: server.url(),
             api_key_file: server.api_key_file(),

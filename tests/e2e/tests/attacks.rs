@@ -364,7 +364,7 @@ async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMa
     };
     options.capacity = 3;
     options.job_dockerd = job_dockerd;
-    let http_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let http_port = testkit::free_local_port();
     options.http_listen = format!("127.0.0.1:{http_port}");
     let mut controller = Controller::start(options).await;
     let key = CapabilityKey::from_bytes(KEY).unwrap();

@@ -355,13 +355,6 @@ pub fn strip_log_timestamps(log: &str) -> String {
         .join("\n")
 }
 
-fn tail_of(path: &Path, lines: usize) -> Option<String> {
-    let text = std::fs::read(path).ok()?;
-    let text = String::from_utf8_lossy(&text);
-    let all: Vec<&str> = text.lines().collect();
-    Some(all[all.len().saturating_sub(lines)..].join("\n"))
-}
-
 pub(crate) fn http_client() -> reqwest::Client {
     // reqwest is built with `rustls-no-provider`: it needs a process-wide provider even
     // for plain-http clients (the builder sets up TLS eagerly). Another test may have
@@ -840,8 +833,8 @@ impl Gitea {
     /// the web process's console output when it printed anything.
     pub fn log_tail(&self, lines: usize) -> String {
         let root = self.dir.path();
-        let mut out = tail_of(&root.join("log/gitea.log"), lines).unwrap_or_else(|| "(no log/gitea.log)".to_owned());
-        if let Some(console) = tail_of(&root.join("web.out"), lines.min(20))
+        let mut out = crate::log_tail(&root.join("log/gitea.log"), lines).unwrap_or_else(|| "(no log/gitea.log)".to_owned());
+        if let Some(console) = crate::log_tail(&root.join("web.out"), lines.min(20))
             && !console.trim().is_empty()
         {
             out.push_str("\n--- gitea web stdout/stderr ---\n");
@@ -1022,9 +1015,9 @@ async fn wait_until_up(http: &reqwest::Client, url: &str, version: GiteaVersion,
     let deadline = Instant::now() + timeout;
     let version_url = format!("{url}/api/v1/version");
     let log = || {
-        let mut log = tail_of(&root.join("log/gitea.log"), 60).unwrap_or_default();
+        let mut log = crate::log_tail(&root.join("log/gitea.log"), 60).unwrap_or_default();
         log.push_str("\n--- gitea web stdout/stderr ---\n");
-        log.push_str(&tail_of(&root.join("web.out"), 20).unwrap_or_default());
+        log.push_str(&crate::log_tail(&root.join("web.out"), 20).unwrap_or_default());
         log
     };
     loop {
@@ -1039,7 +1032,7 @@ async fn wait_until_up(http: &reqwest::Client, url: &str, version: GiteaVersion,
             return Ok(());
         }
         // Gitea does not exit when it cannot listen: it logs the error and idles.
-        if tail_of(&root.join("log/gitea.log"), 20).is_some_and(|t| t.contains("bind: address already in use")) {
+        if crate::log_tail(&root.join("log/gitea.log"), 20).is_some_and(|t| t.contains("bind: address already in use")) {
             let _ = child.kill();
             let _ = child.wait();
             return Err(log());
@@ -1075,7 +1068,7 @@ async fn run_cli(mut cmd: tokio::process::Command, what: &str, root: &Path) -> S
         "{what} failed ({}):\nstdout: {stdout}\nstderr: {}\n--- gitea log ---\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr),
-        tail_of(&root.join("log/gitea.log"), 40).unwrap_or_default()
+        crate::log_tail(&root.join("log/gitea.log"), 40).unwrap_or_default()
     );
     stdout
 }

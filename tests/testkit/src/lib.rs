@@ -21,10 +21,26 @@ pub mod workload;
 
 use std::{path::PathBuf, time::Duration};
 
-/// A port free on `ip` now (the OS's pick; something else may take it before the caller
-/// binds it — callers that must not race retry, as the Gitea fixture does).
+/// A port free on `ip` now, picked before the caller binds it: below the kernel's
+/// ephemeral range (32768–60999 by default), because a port the kernel handed out (bind
+/// to port 0) can be taken in the meantime as the source port of an outgoing connection
+/// (a NATS cluster started next to another had a node that never became healthy), and
+/// distinct within this process, so two peers of one test never pick the same one.
+/// Another process may still take it first: callers that must not race retry, as the
+/// Gitea fixture does.
 pub fn free_port(ip: std::net::IpAddr) -> u16 {
-    std::net::TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).unwrap_or_else(|e| panic!("no free port on {ip}: {e}")).port()
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let offset = std::process::id().wrapping_mul(7_919);
+    loop {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(n < COUNT, "no free port left on {ip} in {FIRST}..{}", FIRST + COUNT);
+        let port = u16::try_from(FIRST + offset.wrapping_add(n) % COUNT).expect("below 32000");
+        if std::net::TcpListener::bind((ip, port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// `GET url`: the status and the body as text (a controller's `/metrics`, …); panics
@@ -32,6 +48,14 @@ pub fn free_port(ip: std::net::IpAddr) -> u16 {
 pub async fn http_get(url: &str) -> (u16, String) {
     let response = gitea::http_client().get(url).send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
     (response.status().as_u16(), response.text().await.unwrap_or_default())
+}
+
+/// The last `lines` lines of the log at `path`, or `None` when it cannot be read.
+pub fn log_tail(path: &std::path::Path, lines: usize) -> Option<String> {
+    let text = std::fs::read(path).ok()?;
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    Some(all[all.len().saturating_sub(lines)..].join("\n"))
 }
 
 /// [`free_port`] on 127.0.0.1.

@@ -164,26 +164,6 @@ struct ClusterNode {
     child: Option<Child>,
 }
 
-/// A port for a cluster node, picked before the node binds it: below the kernel's
-/// ephemeral range (32768–60999 by default), because a port the kernel handed out (bind to
-/// port 0) can be taken in the meantime as the source port of another node's outgoing
-/// route connection — a cluster started next to another one then had a node that never
-/// became healthy. Distinct within this process, so two clusters never pick the same one.
-fn free_port() -> u16 {
-    const FIRST: u32 = 20_000;
-    const COUNT: u32 = 12_000;
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let offset = std::process::id().wrapping_mul(7_919);
-    loop {
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        assert!(n < COUNT, "no free port left in {FIRST}..{}", FIRST + COUNT);
-        let port = u16::try_from(FIRST + offset.wrapping_add(n) % COUNT).expect("below 32000");
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-}
-
 /// The names of the nodes that `host`'s `/routez` lists (a route pool has several
 /// connections per peer).
 fn routed_peers(host: &str) -> std::collections::BTreeSet<String> {
@@ -198,12 +178,12 @@ impl NatsCluster {
         let bin = binary();
         assert!(bin.is_file(), "nats-server not found at {}: run scripts/install-test-peers", bin.display());
         let dir = tempfile::tempdir().expect("temporary directory for the cluster");
-        let routes: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let routes: Vec<u16> = (0..size).map(|_| crate::free_local_port()).collect();
         let route_list = routes.iter().map(|p| format!("nats://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
         let mut nodes = Vec::new();
         for (i, route) in routes.iter().enumerate() {
             let name = format!("node{i}");
-            let (client, monitoring) = (free_port(), free_port());
+            let (client, monitoring) = (crate::free_local_port(), crate::free_local_port());
             let store = dir.path().join(&name);
             let args = vec![
                 "-a".into(),
