@@ -1,10 +1,6 @@
 # shellcheck shell=bash
-# Shared by scripts/install-job-deps and scripts/install-test-peers (sourced): pinned
-# Debian packages and the peers built from pinned upstream sources. The caller sets
-# `set -euo pipefail`, PEERS_CACHE, and `me` (its name, for messages).
-
-fail() { echo "${me:?the sourcing script sets me}: $*" >&2; exit 1; }
-step() { echo "==> $*"; }
+# Shared by scripts/install-job-deps and scripts/install-test-peers (sourced after
+# lib/common.sh): pinned Debian packages and the peers built from pinned upstream sources.
 
 # install_debs NAME=VERSION…: installs what is missing or at another version, then prints
 # each as a "peer deb" line.
@@ -16,10 +12,10 @@ install_debs() {
     [ "$have" = "$want" ] || missing+=("$spec")
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    [ "$(id -u)" = 0 ] || fail "need root to apt-get install ${missing[*]}"
-    apt-get update -qq || fail "apt-get update failed"
+    [ "$(id -u)" = 0 ] || die "need root to apt-get install ${missing[*]}"
+    apt-get update -qq || die "apt-get update failed"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-      || fail "apt-get install ${missing[*]} failed"
+      || die "apt-get install ${missing[*]} failed"
   fi
   for spec in "$@"; do
     name=${spec%%=*}
@@ -39,10 +35,10 @@ build_peer() {
     [ -n "$peers_build" ] && break
     [ -x "$candidate" ] && peers_build=$candidate
   done
-  { [ -n "$peers_build" ] && [ -x "$peers_build" ]; } || fail "the test-peer builder (shared/peers/build) is not beside the repository nor at /work/shared: set PEERS_BUILD"
+  { [ -n "$peers_build" ] && [ -x "$peers_build" ]; } || die "the test-peer builder (shared/peers/build) is not beside the repository nor at /work/shared: set PEERS_BUILD"
   for peer in "$@"; do
-    line=$("$peers_build" "$peer" | tail -n 1) || fail "building $peer failed"
+    line=$("$peers_build" "$peer" | tail -n 1) || die "building $peer failed"
     echo "$line"
-    [ -x "$PEERS_CACHE/bin/$peer" ] || fail "$peer: $PEERS_CACHE/bin/$peer is not executable after the build"
+    [ -x "$PEERS_CACHE/bin/$peer" ] || die "$peer: $PEERS_CACHE/bin/$peer is not executable after the build"
   done
 }
