@@ -335,21 +335,7 @@ mod tests {
     use super::*;
 
     fn record(state: State) -> Record {
-        Record {
-            assignment_id: "gitea-task-1".into(),
-            placement: crate::assignment::Placement::CONTAINER_DOCKER,
-            state,
-            envelope: vec![],
-            environment: None,
-            updated_at_ms: 0,
-            created_at_ms: 0,
-            runner: String::new(),
-            phase: None,
-            timeline: Vec::new(),
-            reason: None,
-            ended_at_ms: 0,
-            attempts: 0,
-        }
+        Record { state, ..Record::pending("gitea-task-1", Placement::CONTAINER_DOCKER, "", Vec::new(), 0) }
     }
 
     #[test]
