@@ -106,11 +106,10 @@ pub struct Environment {
     pub runner_dir: PathBuf,
 }
 
+/// The user the agent and the job run as: `run` switches to it, `doctor --image` checks
+/// that the image defines it the same way.
 #[derive(Debug, Clone, Args)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub environment: Environment,
-
+pub struct RunnerUser {
     /// Uid the agent and the job run as.
     #[arg(long, env = "SUPERVISOR_RUNNER_UID", default_value_t = 2000, value_parser = parse_unprivileged_id)]
     pub runner_uid: u32,
@@ -120,10 +119,17 @@ pub struct RunArgs {
     /// Gid of the docker group: owns dockerd's socket and is the runner's supplementary group.
     #[arg(long, env = "SUPERVISOR_DOCKER_GID", default_value_t = 2001, value_parser = parse_unprivileged_id)]
     pub docker_gid: u32,
-
     /// HOME of the runner user.
     #[arg(long, env = "SUPERVISOR_RUNNER_HOME", default_value = "/home/runner", value_parser = parse_absolute)]
     pub runner_home: PathBuf,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub environment: Environment,
+    #[command(flatten)]
+    pub user: RunnerUser,
 
     #[arg(long, env = "SUPERVISOR_DOCKERD", default_value = "dockerd")]
     pub dockerd: PathBuf,
@@ -204,6 +210,17 @@ pub struct DoctorArgs {
     pub runner: PathBuf,
     #[arg(long, default_value = "/etc/gitea-runner/config.yaml")]
     pub runner_config: PathBuf,
+    /// Check a runner image rather than a running environment: every package of its
+    /// package list present and running, the runner, its job-started hook and the runner
+    /// user. Run it inside the image, e.g. `docker run --rm --user 0 --entrypoint
+    /// /usr/local/bin/supervisor IMAGE doctor --image`.
+    #[arg(long)]
+    pub image: bool,
+    /// The image's package list (for --image).
+    #[arg(long, default_value = "/usr/local/lib/gitea-dynamic-runner/packages", value_parser = parse_absolute)]
+    pub packages: PathBuf,
+    #[command(flatten)]
+    pub user: RunnerUser,
 }
 
 impl DoctorArgs {
@@ -225,6 +242,9 @@ impl DoctorArgs {
             runner_config: self.runner_config.clone(),
             runner_dir: e.runner_dir.clone(),
             assignment_id: e.assignment_id.clone(),
+            image: self.image,
+            packages: self.packages.clone(),
+            runner_user: self.user.clone(),
         }
     }
 }
@@ -310,8 +330,8 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
             return Err("--facade-url (CI_RUNNER_FACADE_URL) https:// needs identity on and --facade-spiffe-id (CI_RUNNER_FACADE_SPIFFE_ID)".into());
         }
     }
-    if args.runner_gid == args.docker_gid {
-        return Err(format!("--docker-gid (SUPERVISOR_DOCKER_GID) must differ from --runner-gid: both are {}", args.docker_gid));
+    if args.user.runner_gid == args.user.docker_gid {
+        return Err(format!("--docker-gid (SUPERVISOR_DOCKER_GID) must differ from --runner-gid: both are {}", args.user.docker_gid));
     }
     if args.environment.docker {
         if args.storage_image.starts_with(&args.environment.docker_data_root) {
@@ -424,7 +444,7 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         let run = parse(&with(&[])).unwrap();
-        assert_eq!(run.runner_uid, 2000);
+        assert_eq!(run.user.runner_uid, 2000);
         assert_eq!(run.storage_size, 20 << 30);
         assert_eq!(run.drain_timeout, Duration::from_secs(25));
         assert_eq!(run.command, vec!["true"]);

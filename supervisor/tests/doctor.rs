@@ -207,3 +207,30 @@ fn both_runner_generations_pass_with_the_image_config() {
         assert_check(&report, "runner", status, reason, "");
     }
 }
+
+/// `doctor --image` against this host with the repository's config and the real runner:
+/// a package list naming a tool that is not here fails by that tool's name and says which
+/// package to install, one that is here passes, a binary that is not a runner fails, and
+/// the other checks keep running. (scripts/build-image runs it in the real image.)
+#[test]
+fn the_image_mode_names_the_missing_package_and_keeps_going() {
+    let dir = scratch();
+    let packages = dir.path().join("packages");
+    std::fs::write(&packages, "# test list\nbash bash --version\ngdr-missing gdr-no-such-tool --version\nempty-file /dev/null\n").unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../rootfs/etc/gitea-runner/config.yaml");
+    let image = |runner: &str| {
+        doctor(&["--image".into(), format!("--packages={}", packages.display()), format!("--runner={runner}"), format!("--runner-config={config}")])
+    };
+    let (code, report) = image(&testkit::peer("gitea-runner").display().to_string());
+    assert_eq!(code, 1, "{report}");
+    assert_check(&report, "bash", "PASS", "GNU bash", "");
+    assert_check(&report, "gdr-no-such-tool", "FAIL", "not on PATH", "install the Debian package gdr-missing");
+    assert_check(&report, "empty-file", "FAIL", "/dev/null is empty", "");
+    assert_check(&report, "runner", "PASS", "v3.3.0 with", "");
+    // The hook the config names is not installed on this host.
+    assert_check(&report, "job-started", "FAIL", "/usr/local/lib/gitea-dynamic-runner/job-started", "");
+    assert!(report["checks"].as_array().unwrap().iter().all(|c| c["id"] != "pid1"), "--image runs no environment check: {report}");
+
+    let (_, report) = image("/bin/true");
+    assert_check(&report, "runner", "FAIL", "not \"gitea-runner version", "/usr/local/bin/gitea-runner");
+}

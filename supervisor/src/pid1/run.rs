@@ -99,7 +99,7 @@ impl Supervisor {
         // for dockerd instead of failing, so no step waits for it (pid1::dockerd).
         let socket = self.args.environment.docker.then(|| {
             let path = &self.args.environment.docker_socket;
-            dockerd::bind_socket(path, self.args.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()))
+            dockerd::bind_socket(path, self.args.user.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()))
         });
         let report = match self.start_agent(&agent_dir) {
             Ok(report) => report,
@@ -156,7 +156,11 @@ impl Supervisor {
 
     fn prepare_state_dir(&self, agent_dir: &std::path::Path) -> std::io::Result<()> {
         fs::create_dir_all(agent_dir)?;
-        nix::unistd::chown(agent_dir, Some(nix::unistd::Uid::from_raw(self.args.runner_uid)), Some(nix::unistd::Gid::from_raw(self.args.runner_gid)))?;
+        nix::unistd::chown(
+            agent_dir,
+            Some(nix::unistd::Uid::from_raw(self.args.user.runner_uid)),
+            Some(nix::unistd::Gid::from_raw(self.args.user.runner_gid)),
+        )?;
         fs::set_permissions(agent_dir, fs::Permissions::from_mode(0o700))?;
         // The hook runs as the runner uid and must reach the socket inside.
         fs::set_permissions(&self.args.state_dir, fs::Permissions::from_mode(0o755))
@@ -192,7 +196,7 @@ impl Supervisor {
         })?;
         let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
         let mut command = Command::new(exe);
-        command.arg("agent").env(agent::CONFIG_ENV, json).env("HOME", &args.runner_home).env("USER", "runner").stdin(Stdio::inherit());
+        command.arg("agent").env(agent::CONFIG_ENV, json).env("HOME", &args.user.runner_home).env("USER", "runner").stdin(Stdio::inherit());
         // A capability handed over as a file (the docker driver) is read and removed
         // before anything of the job runs; only the agent gets it.
         command.env_remove(contract::environment::CAPABILITY_FILE);
@@ -203,7 +207,7 @@ impl Supervisor {
             })?;
             command.env(agent::CAPABILITY_ENV, capability.trim());
         }
-        spawn::prepare(&mut command, Some(spawn::Credentials { uid: args.runner_uid, gid: args.runner_gid, groups: [args.docker_gid] }));
+        spawn::prepare(&mut command, Some(spawn::Credentials { uid: args.user.runner_uid, gid: args.user.runner_gid, groups: [args.user.docker_gid] }));
         let (read, write) = if args.environment.docker {
             let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|error| {
                 tracing::error!(%error, "cannot create the dockerd report pipe");
@@ -219,7 +223,7 @@ impl Supervisor {
         }
         match self.pid1.spawn(&mut command) {
             Ok(pid) => {
-                tracing::info!(%pid, uid = args.runner_uid, "agent started");
+                tracing::info!(%pid, uid = args.user.runner_uid, "agent started");
                 self.agent = Some(pid);
                 drop(read);
                 Ok(write)

@@ -256,22 +256,26 @@ fn facade(paths: &Paths) -> Outcome {
 /// environment: by the job-started hook (gitea-runner v3 and later, which read
 /// `runner.hooks.job_started`), or, for runners without hooks (act_runner, which ignores
 /// the key), by the supervisor holding the task back until dockerd's socket takes connections.
-fn runner(paths: &Paths) -> Outcome {
+pub(super) fn runner(paths: &Paths) -> Outcome {
     const ID: &str = "runner";
     let binary = which(&paths.runner);
     let Some(binary) = binary else {
         return Outcome::fail(ID, format!("{} not found", paths.runner.display()), "the runner image must contain gitea-runner on PATH");
     };
-    // "gitea-runner version v3.3.0" / "act_runner version v0.2.12"
-    let version = std::process::Command::new(&binary)
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|text| text.split_whitespace().last().map(str::to_owned))
-        .unwrap_or_default();
-    let has_hooks = crate::agent::loopback::runner_has_hooks(&version);
-    let what = format!("{} {}", binary.display(), if version.is_empty() { "(version unknown)".to_owned() } else { version.clone() });
+    let says = std::process::Command::new(&binary).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    let Some(version) = runner_version(&says) else {
+        return Outcome::fail(
+            ID,
+            format!(
+                "{} --version printed {:?}, not \"gitea-runner version …\" or \"act_runner version …\"",
+                binary.display(),
+                says.lines().next().unwrap_or_default()
+            ),
+            "the image must carry gitea-runner (or act_runner) at /usr/local/bin/gitea-runner",
+        );
+    };
+    let has_hooks = crate::agent::loopback::runner_has_hooks(version);
+    let what = format!("{} {version}", binary.display());
     match std::fs::read_to_string(&paths.runner_config) {
         Err(error) => {
             Outcome::fail(ID, format!("{what} found, but {}: {error}", paths.runner_config.display()), "the image must carry /etc/gitea-runner/config.yaml")
@@ -289,6 +293,16 @@ fn runner(paths: &Paths) -> Outcome {
                 paths.runner_config.display()
             ),
         ),
+    }
+}
+
+/// The version in a runner's `--version` line: "gitea-runner version v3.3.0" or
+/// "act_runner version v0.2.12".
+fn runner_version(says: &str) -> Option<&str> {
+    let mut words = says.lines().next()?.split_whitespace();
+    match (words.next(), words.next(), words.next()) {
+        (Some("gitea-runner" | "act_runner"), Some("version"), Some(version)) => Some(version),
+        _ => None,
     }
 }
 
@@ -337,7 +351,7 @@ fn runner_file(paths: &Paths) -> Outcome {
     }
 }
 
-fn which(program: &Path) -> Option<std::path::PathBuf> {
+pub(super) fn which(program: &Path) -> Option<std::path::PathBuf> {
     if program.components().count() > 1 {
         return program.exists().then(|| program.to_owned());
     }
@@ -365,5 +379,21 @@ fn zombies() -> Outcome {
             format!("{} zombies: {}", zombies.len(), zombies.join(", ")),
             "a parent is not reaping; if the parent is PID 1, PID 1 is not the supervisor",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_a_runners_version_line_counts() {
+        for (says, expected) in [
+            ("gitea-runner version v3.3.0\n", Some("v3.3.0")),
+            ("act_runner version v0.2.12", Some("v0.2.12")),
+            ("true (GNU coreutils) 9.1\n", None),
+            ("", None),
+            ("gitea-runner version", None),
+        ] {
+            assert_eq!(super::runner_version(says), expected, "{says:?}");
+        }
     }
 }

@@ -7,12 +7,11 @@
 //! client), so doctor and runtime cannot disagree.
 
 mod checks;
+mod image;
 
-use std::path::PathBuf;
+use std::{borrow::Cow, path::PathBuf};
 
 use serde::Serialize;
-
-pub use checks::all;
 
 /// What doctor checks and where: the environment's own settings (converted from the
 /// command line, which shares them with `supervisor run`), so that a check can be
@@ -35,6 +34,16 @@ pub struct Settings {
     /// The runner's working directory, where the agent writes `.runner`.
     pub runner_dir: PathBuf,
     pub assignment_id: Option<String>,
+    /// Check a runner image instead of a running environment (see [`image`]).
+    pub image: bool,
+    /// The image's package list, for `image`.
+    pub packages: PathBuf,
+    pub runner_user: crate::cli::RunnerUser,
+}
+
+/// Every check of the mode `settings` asks for, in the order a person would look.
+pub fn all(settings: &Settings) -> Vec<Outcome> {
+    if settings.image { image::all(settings) } else { checks::all(settings) }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -47,7 +56,8 @@ pub enum Status {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Outcome {
-    pub id: &'static str,
+    /// A check's name, or for `--image` the command that shows a package is there.
+    pub id: Cow<'static, str>,
     pub status: Status,
     pub reason: String,
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -55,16 +65,16 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    pub fn pass(id: &'static str, reason: impl Into<String>) -> Self {
-        Outcome { id, status: Status::Pass, reason: reason.into(), hint: String::new() }
+    pub fn pass(id: impl Into<Cow<'static, str>>, reason: impl Into<String>) -> Self {
+        Outcome { id: id.into(), status: Status::Pass, reason: reason.into(), hint: String::new() }
     }
 
-    pub fn fail(id: &'static str, reason: impl Into<String>, hint: impl Into<String>) -> Self {
-        Outcome { id, status: Status::Fail, reason: reason.into(), hint: hint.into() }
+    pub fn fail(id: impl Into<Cow<'static, str>>, reason: impl Into<String>, hint: impl Into<String>) -> Self {
+        Outcome { id: id.into(), status: Status::Fail, reason: reason.into(), hint: hint.into() }
     }
 
-    pub fn skip(id: &'static str, reason: impl Into<String>) -> Self {
-        Outcome { id, status: Status::Skip, reason: reason.into(), hint: String::new() }
+    pub fn skip(id: impl Into<Cow<'static, str>>, reason: impl Into<String>) -> Self {
+        Outcome { id: id.into(), status: Status::Skip, reason: reason.into(), hint: String::new() }
     }
 }
 
@@ -76,7 +86,6 @@ struct Report<'a> {
     skipped: usize,
 }
 
-/// Runs every check and prints the report; the exit code is 1 when any failed.
 /// Runs every check; prints text or, with `json`, one JSON document. Returns 1 when any
 /// check failed.
 pub fn run(settings: &Settings, json: bool) -> u8 {
