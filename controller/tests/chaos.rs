@@ -577,19 +577,15 @@ impl Rig {
     }
 
     async fn finish(&mut self, tally: &mut Tally) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.envs.list().await.is_empty() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        // Not asserted here: what is left is counted as leaked, and the tally fails the test.
+        let _ = testkit::poll(Duration::from_secs(60), || async { if self.envs.list().await.is_empty() { Ok(()) } else { Err(()) } }).await;
         tally.leaked = self.envs.list().await.into_iter().map(|e| e.name).collect();
         for replica in &self.replicas {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            let mut in_use = pool_in_use(&replica.metrics).await;
-            while in_use != Some(0) && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                in_use = pool_in_use(&replica.metrics).await;
-            }
-            if in_use != Some(0) {
+            let drained = testkit::poll(Duration::from_secs(30), || async {
+                let in_use = pool_in_use(&replica.metrics).await;
+                if in_use == Some(0) { Ok(()) } else { Err(in_use) }
+            });
+            if let Err(in_use) = drained.await {
                 tally.pools_not_zero.push(format!("replica {}: {in_use:?}", replica.name));
             }
         }
@@ -673,25 +669,24 @@ async fn campaign(iterations: usize) {
             Kill::Environment | Kill::Agent => {
                 // Waits a little for a target: one that exists (Environment), or whose
                 // agent is mid-job (Agent: claimed, not reported).
-                let deadline = Instant::now() + Duration::from_secs(5);
-                loop {
+                let candidates = testkit::poll(Duration::from_secs(5), || async {
                     let listed = rig.envs.list().await;
-                    let candidates: Vec<Env> = {
-                        let ledger = rig.ledger.lock().unwrap();
-                        listed
-                            .into_iter()
-                            .filter(|e| !e.terminal && !ledger.reported.contains(&e.name))
-                            .filter(|e| kind == Kill::Environment || ledger.ran.values().any(|names| names.contains(&e.name)))
-                            .collect()
-                    };
-                    if let Some(target) = candidates.get(rng.usize(..candidates.len().max(1))) {
-                        rig.ledger.lock().unwrap().killed.insert(target.name.clone());
-                        break rig.envs.end(&target.name).await;
+                    let ledger = rig.ledger.lock().unwrap();
+                    let candidates: Vec<String> = listed
+                        .into_iter()
+                        .filter(|e| !e.terminal && !ledger.reported.contains(&e.name))
+                        .filter(|e| kind == Kill::Environment || ledger.ran.values().any(|names| names.contains(&e.name)))
+                        .map(|e| e.name)
+                        .collect();
+                    if candidates.is_empty() { Err(()) } else { Ok(candidates) }
+                });
+                match candidates.await {
+                    Ok(candidates) => {
+                        let target = &candidates[rng.usize(..candidates.len())];
+                        rig.ledger.lock().unwrap().killed.insert(target.clone());
+                        rig.envs.end(target).await
                     }
-                    if Instant::now() > deadline {
-                        break false;
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Err(()) => false,
                 }
             }
         };
@@ -764,11 +759,10 @@ async fn a_30_s_outage_of_every_nats_node_loses_nothing() {
     let down = Instant::now();
     let mut noticed = Vec::new();
     for replica in &rig.replicas {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while ready(&replica.metrics).await != Some(false) {
-            assert!(Instant::now() < deadline, "replica {} still ready 15 s into the outage", replica.name);
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        testkit::wait_until_async(&format!("replica {} is not ready in the outage", replica.name), Duration::from_secs(15), || async {
+            ready(&replica.metrics).await == Some(false)
+        })
+        .await;
         noticed.push(down.elapsed());
     }
     while down.elapsed() < Duration::from_secs(30) {
@@ -782,11 +776,10 @@ async fn a_30_s_outage_of_every_nats_node_loses_nothing() {
     let back = Instant::now();
     let mut recovered = Vec::new();
     for replica in &rig.replicas {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while ready(&replica.metrics).await != Some(true) {
-            assert!(Instant::now() < deadline, "replica {} not ready 60 s after the cluster came back", replica.name);
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        testkit::wait_until_async(&format!("replica {} is ready after the cluster came back", replica.name), Duration::from_secs(60), || async {
+            ready(&replica.metrics).await == Some(true)
+        })
+        .await;
         recovered.push(back.elapsed());
     }
     eprintln!("outage: not-ready noticed after {noticed:?}; ready again {recovered:?} after the cluster was back");

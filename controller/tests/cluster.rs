@@ -18,21 +18,12 @@ fn record(n: u64) -> Record {
 
 /// Retries `op` for up to 30 s: a client fails over to another node and JetStream elects
 /// new stream and bucket leaders after a node dies, which takes a few seconds.
-async fn eventually<T, F, Fut>(what: &str, mut op: F) -> T
+async fn eventually<T, F, Fut>(what: &str, op: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, controller::store::StoreError>>,
 {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match op().await {
-            Ok(value) => return value,
-            Err(error) => {
-                assert!(Instant::now() < deadline, "{what} still fails after 30 s: {error}");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    }
+    testkit::poll(Duration::from_secs(30), op).await.unwrap_or_else(|error| panic!("{what} still fails after 30 s: {error}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,7 +56,8 @@ async fn three_replicas_survive_one_node_and_recover_from_two() {
     let mut delivered = Vec::new();
     while delivered.len() < 10 {
         // A pull may be answered 503 while the new consumer's leader is being elected;
-        // the worker retries those, and so does this loop, for up to 30 s.
+        // the worker retries those, and so does this loop, for up to 30 s. (A loop of its
+        // own: each pull borrows the consumer mutably, which a `testkit::poll` probe cannot.)
         let deadline = Instant::now() + Duration::from_secs(30);
         let delivery = loop {
             match consumer.next(Duration::from_secs(5)).await {

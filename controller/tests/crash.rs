@@ -8,13 +8,13 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use testkit::nats;
+use testkit::{KillOnDrop, nats, wait_for_exit};
 
 use std::{
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use common::fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN};
@@ -107,26 +107,6 @@ fn controller(setup: &Setup, crash_at: Option<&str>) -> Child {
     command.spawn().unwrap()
 }
 
-fn wait_for_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "the controller did not die at its crash point");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-struct Stop(Child);
-
-impl Drop for Stop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The environments the driver holds.
 fn environments(dir: &Path) -> Vec<Env> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
@@ -151,23 +131,19 @@ fn environments(dir: &Path) -> Vec<Env> {
 }
 
 async fn wait_for_environments(dir: &Path, n: usize, timeout: Duration) -> Vec<Env> {
-    let deadline = Instant::now() + timeout;
-    loop {
+    let outcome = testkit::poll(timeout, || {
         let found = environments(dir);
-        if found.len() >= n {
-            return found;
-        }
-        if Instant::now() >= deadline {
-            let logs: String = std::fs::read_dir(dir.parent().unwrap())
-                .unwrap()
-                .flatten()
-                .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
-                .map(|e| format!("--- {}\n{}", e.path().display(), std::fs::read_to_string(e.path()).unwrap_or_default()))
-                .collect();
-            panic!("only {} of {n} environments after {timeout:?}: {found:?}\n{logs}", found.len());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        std::future::ready(if found.len() >= n { Ok(found) } else { Err(found) })
+    });
+    outcome.await.unwrap_or_else(|found| {
+        let logs: String = std::fs::read_dir(dir.parent().unwrap())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
+            .map(|e| format!("--- {}\n{}", e.path().display(), std::fs::read_to_string(e.path()).unwrap_or_default()))
+            .collect();
+        panic!("only {} of {n} environments after {timeout:?}: {found:?}\n{logs}", found.len())
+    })
 }
 
 async fn facade(socket: &Path) -> FacadeServiceClient<tonic::transport::Channel> {
@@ -226,7 +202,7 @@ async fn kill_between_persist_and_environment_creation() {
     gitea.add_job(Job::new(&["disposable", "container", "docker"]));
     let setup = setup(&gitea, &nats);
     let mut crashed = controller(&setup, Some("before-create"));
-    let status = wait_for_exit(&mut crashed, Duration::from_secs(60));
+    let status = wait_for_exit(&mut crashed, Duration::from_secs(60), "the controller dies at its crash point");
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
     assert!(environments(&setup.envs).is_empty(), "an environment was created before the crash point");
     assert_eq!(gitea.with(|s| s.tasks.len()), 1);
@@ -234,7 +210,7 @@ async fn kill_between_persist_and_environment_creation() {
         gitea.add_job(Job::new(&["disposable", "container", "docker"]));
     }
 
-    let _running = Stop(controller(&setup, None));
+    let _running = KillOnDrop(controller(&setup, None));
     let envs = wait_for_environments(&setup.envs, 3, Duration::from_secs(60)).await;
     for env in &envs {
         run_environment(env).await.unwrap();
@@ -256,10 +232,10 @@ async fn kill_right_after_a_claim() {
     let envs = wait_for_environments(&setup.envs, 2, Duration::from_secs(60)).await;
     // The claim is recorded, then the process dies before answering.
     assert!(run_environment(&envs[0]).await.is_err());
-    let status = wait_for_exit(&mut crashing, Duration::from_secs(30));
+    let status = wait_for_exit(&mut crashing, Duration::from_secs(30), "the controller dies at its crash point");
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
 
-    let _running = Stop(controller(&setup, None));
+    let _running = KillOnDrop(controller(&setup, None));
     // The same holder retries and gets the same task; another holder would be refused.
     for env in &envs {
         run_environment(env).await.unwrap();
@@ -290,12 +266,12 @@ async fn kill_between_fetch_and_persist() {
     }
     let setup = setup(&gitea, &nats);
     let mut crashed = controller(&setup, Some("after-fetch"));
-    let status = wait_for_exit(&mut crashed, Duration::from_secs(60));
+    let status = wait_for_exit(&mut crashed, Duration::from_secs(60), "the controller dies at its crash point");
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
     let handed_over = gitea.with(|s| s.tasks.len());
     assert!(handed_over >= 1);
 
-    let _running = Stop(controller(&setup, None));
+    let _running = KillOnDrop(controller(&setup, None));
     let envs = wait_for_environments(&setup.envs, 3 - handed_over, Duration::from_secs(60)).await;
     for env in &envs {
         run_environment(env).await.unwrap();

@@ -14,8 +14,8 @@ mod common;
 
 use std::{
     os::unix::fs::PermissionsExt,
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    process::{Command, Stdio},
+    time::Duration,
 };
 
 use common::{
@@ -28,18 +28,9 @@ use proto::{
     facade::v1::{AssignmentCredential, ClaimRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient},
     runner::v1::{Result as TaskResult, TaskState, UpdateTaskRequest as RunnerUpdate},
 };
-use testkit::{nats::NatsServer, opensandbox::OpenSandbox, spire::SpireServer};
+use testkit::{KillOnDrop, nats::NatsServer, opensandbox::OpenSandbox, spire::SpireServer};
 
 const IMAGE: &str = "gdr-sandbox:test";
-
-struct Stop(Child);
-
-impl Drop for Stop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn sandboxes(docker: &Dockerd) -> Vec<String> {
     let output = docker.cli().args(["ps", "-a", "--filter", "label=gitea-dynamic-runner/placement=vm.opensandbox", "--format", "{{.Names}}"]).output().unwrap();
@@ -148,14 +139,9 @@ stale_after = "1s"
     };
 
     let mut crashing = controller(Some("after-create"));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = crashing.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "the controller did not reach after-create:\n{}", logs());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = testkit::poll(Duration::from_secs(60), || std::future::ready(crashing.try_wait().unwrap().ok_or(())))
+        .await
+        .unwrap_or_else(|()| panic!("the controller did not reach after-create:\n{}", logs()));
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}\n{}", logs());
     let made = sandboxes(&docker);
     assert_eq!(made.len(), 1, "the crash point comes after the sandbox was made: {made:?}");
@@ -180,24 +166,19 @@ stale_after = "1s"
     );
     registrar.register(&orphan, "spiffe://example.org/ci/o/r/gone").await.unwrap();
 
-    let _running = Stop(controller(None));
+    let _running = KillOnDrop(controller(None));
     // The pool is rebuilt from the server's listing, and the queued assignment adopts the
     // sandbox it already has.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    testkit::poll(Duration::from_secs(60), || async {
         let recorded = store.get(&id).await.unwrap().unwrap().value.environment;
-        if recorded.is_some() && pool_in_use(&metrics).await == Some(1) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no recorded environment or pool slot after the restart:\n{}", logs());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        if recorded.is_some() && pool_in_use(&metrics).await == Some(1) { Ok(()) } else { Err(()) }
+    })
+    .await
+    .unwrap_or_else(|()| panic!("no recorded environment or pool slot after the restart:\n{}", logs()));
     assert_eq!(sandboxes(&docker), made, "exactly the first sandbox, no second one");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while entry_ids() != environment {
-        assert!(Instant::now() < deadline, "entries after the restart: {:?}, expected only {environment:?}:\n{}", entry_ids(), logs());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    testkit::poll(Duration::from_secs(30), || std::future::ready(if entry_ids() == environment { Ok(()) } else { Err(entry_ids()) }))
+        .await
+        .unwrap_or_else(|left| panic!("entries after the restart: {left:?}, expected only {environment:?}:\n{}", logs()));
 
     // The supervisor's part, over the development-mode facade.
     let capability = env_var(&docker, &made[0], "CI_RUNNER_CAPABILITY");
@@ -217,11 +198,9 @@ stale_after = "1s"
         assert_eq!(state.tasks.len(), 1);
         assert_eq!(state.tasks.values().next().unwrap().final_result, Some(TaskResult::Success as i32));
     });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !sandboxes(&docker).is_empty() {
-        assert!(Instant::now() < deadline, "the finished task's sandbox was not deleted:\n{}", logs());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    testkit::poll(Duration::from_secs(30), || std::future::ready(if sandboxes(&docker).is_empty() { Ok(()) } else { Err(()) }))
+        .await
+        .unwrap_or_else(|()| panic!("the finished task's sandbox was not deleted:\n{}", logs()));
     assert!(entry_ids().is_empty(), "the sandbox's entry outlived it: {:?}", entry_ids());
     drop(server);
 }

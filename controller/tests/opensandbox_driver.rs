@@ -115,15 +115,12 @@ async fn a_sandbox_that_ends_on_its_own_carries_the_servers_reason() {
     let (_docker, server) = stack();
     let driver = OpenSandboxDriver::connect(config(&server, &["/bin/sh", "-c", "exit 3"])).await.unwrap();
     let name = driver.create(&spec("gitea-task-3")).await.unwrap().name;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let ended = loop {
+    let ended = testkit::poll(Duration::from_secs(30), || async {
         let environment = driver.get(&name).await.unwrap().expect("the sandbox is listed until deleted");
-        if environment.phase != Phase::Running {
-            break environment;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "still running: {environment:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        if environment.phase == Phase::Running { Err(environment) } else { Ok(environment) }
+    })
+    .await
+    .unwrap_or_else(|environment| panic!("still running after 30 s: {environment:?}"));
     assert_eq!(ended.phase, Phase::Exited);
     assert!(ended.detail.contains("Failed") && ended.detail.contains("exited with code 3"), "{}", ended.detail);
     driver.delete(&name).await.unwrap();
@@ -267,11 +264,9 @@ async fn each_sandbox_gets_its_spire_entry_and_leaves_none_behind() {
     let listed = driver.list(&driver::selector("test", Placement::VM_OPENSANDBOX)).await.unwrap();
     assert_eq!(fresh.sweep_leftovers(&listed).await.unwrap(), 0, "a young entry may belong to a sandbox being created");
     // Entry ages have whole seconds: sweep until the orphan is old enough.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while sweeping.sweep_leftovers(&listed).await.unwrap() == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "the orphan entry was never swept: {:?}", spire.entries());
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    testkit::poll(Duration::from_secs(10), || async { if sweeping.sweep_leftovers(&listed).await.unwrap() == 0 { Err(()) } else { Ok(()) } })
+        .await
+        .unwrap_or_else(|()| panic!("the orphan entry was never swept: {:?}", spire.entries()));
     let mut left: Vec<String> = spire.entries().iter().map(|e| shown(e).0).collect();
     left.sort();
     assert_eq!(left, ["spiffe://example.org/ci/owner/repo/gitea-task-33", "spiffe://example.org/someone-else"]);

@@ -16,6 +16,7 @@ use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
 };
+use testkit::{wait_for_exit, wait_until_blocking};
 
 #[test]
 fn exit_code_is_the_jobs() {
@@ -83,7 +84,7 @@ fn every_forwarded_signal_reaches_the_job() {
         ready = ready.display()
     );
     let mut child = quiet(&mut run_as_pid1(&dir.path().join("state"), &[], &job)).spawn().unwrap();
-    wait_until("the job to start", Duration::from_secs(20), || ready.exists());
+    wait_until_blocking("the job to start", Duration::from_secs(20), || ready.exists());
     let supervisor = child_of(child.id()).expect("unshare has no child");
     for (signal, name) in [
         (Signal::SIGINT, "INT"),
@@ -95,9 +96,9 @@ fn every_forwarded_signal_reaches_the_job() {
         (Signal::SIGTERM, "TERM"),
     ] {
         kill(Pid::from_raw(supervisor as i32), signal).unwrap();
-        wait_until(&format!("{name} to arrive"), Duration::from_secs(10), || fs::read_to_string(&log).unwrap_or_default().lines().any(|l| l == name));
+        wait_until_blocking(&format!("{name} to arrive"), Duration::from_secs(10), || fs::read_to_string(&log).unwrap_or_default().lines().any(|l| l == name));
     }
-    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    let status = wait_for_exit(&mut child, Duration::from_secs(20), "the supervisor exits");
     // The job exits 7 from its TERM trap; the supervisor passes that on.
     assert_eq!(status.code(), Some(7));
     let seen = fs::read_to_string(&log).unwrap();
@@ -110,11 +111,11 @@ fn drain_deadline_is_honoured_when_the_job_ignores_sigterm() {
     let ready = dir.path().join("ready");
     let job = format!("trap '' TERM; touch {}; while :; do sleep 0.05; done", ready.display());
     let mut child = quiet(&mut run_as_pid1(&dir.path().join("state"), &["--drain-timeout=2s"], &job)).spawn().unwrap();
-    wait_until("the job to start", Duration::from_secs(20), || ready.exists());
+    wait_until_blocking("the job to start", Duration::from_secs(20), || ready.exists());
     let supervisor = child_of(child.id()).unwrap();
     let sent = Instant::now();
     kill(Pid::from_raw(supervisor as i32), Signal::SIGTERM).unwrap();
-    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    let status = wait_for_exit(&mut child, Duration::from_secs(20), "the supervisor exits");
     let took = sent.elapsed();
     // Half of the drain goes to the job, then SIGKILL: the agent dies of signal 9.
     assert_eq!(status.code(), Some(137), "{status}");
@@ -129,11 +130,11 @@ fn sigterm_cleans_up_escaped_descendants_as_a_subreaper() {
     // setsid: the daemon leaves the job's process group, so only a tree kill finds it.
     let job = format!("setsid sleep 1000 & echo $! > {0}.tmp; mv {0}.tmp {0}; while :; do sleep 0.05; done", pidfile.display());
     let mut child = quiet(&mut run_as_subreaper(&dir.path().join("state"), &["--drain-timeout=3s"], &job)).spawn().unwrap();
-    wait_until("the daemon to start", Duration::from_secs(20), || pidfile.exists());
+    wait_until_blocking("the daemon to start", Duration::from_secs(20), || pidfile.exists());
     let escaped: u32 = fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
     assert!(alive(escaped));
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    let status = wait_for_exit(&mut child, Duration::from_secs(20), "the supervisor exits");
     assert_eq!(status.code(), Some(143), "{status}");
     assert!(!alive(escaped), "the escaped daemon {escaped} outlived the supervisor");
 }

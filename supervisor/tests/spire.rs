@@ -8,25 +8,19 @@
 mod common;
 
 use std::{
-    process::{Child, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
 use common::*;
-use testkit::spire::{SpireAgent, SpireServer};
+use testkit::{
+    KillOnDrop,
+    spire::{SpireAgent, SpireServer},
+};
 
 const TRUST_DOMAIN: &str = "example.org";
 const EXPECTED: &str = "spiffe://example.org/ci/owner/repo/build";
 const AGENT_ALIAS: &str = "spiffe://example.org/ci-node";
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 #[test]
 fn supervisor_proceeds_once_the_entry_for_uid_2000_is_registered() {
@@ -37,7 +31,7 @@ fn supervisor_proceeds_once_the_entry_for_uid_2000_is_registered() {
     let agent_socket = agent.socket();
 
     let started = d.join("started");
-    let mut supervisor = Killed(
+    let mut supervisor = KillOnDrop(
         run_as_subreaper(
             &d.join("state"),
             &["--identity=true", &format!("--spiffe-id={EXPECTED}"), &format!("--spiffe-endpoint=unix://{}", agent_socket.display()), "--identity-timeout=90s"],
@@ -50,12 +44,12 @@ fn supervisor_proceeds_once_the_entry_for_uid_2000_is_registered() {
     // The supervisor is waiting: SPIRE has no entry for uid 2000 yet.
     std::thread::sleep(Duration::from_secs(2));
     assert!(!started.exists(), "the job started before any entry existed");
-    assert!(supervisor.0.try_wait().unwrap().is_none(), "the supervisor gave up early");
+    assert!(supervisor.try_wait().unwrap().is_none(), "the supervisor gave up early");
 
     let entry = server.cli(&["entry", "create", "-parentID", AGENT_ALIAS, "-spiffeID", EXPECTED, "-selector", "unix:uid:2000"]);
     assert!(entry.status.success(), "{}", String::from_utf8_lossy(&entry.stderr));
     let registered = Instant::now();
-    let status = wait_with_timeout(&mut supervisor.0, Duration::from_secs(90));
+    let status = testkit::wait_for_exit(&mut supervisor, Duration::from_secs(90), "the supervisor exits");
     assert!(status.success(), "{status}");
     assert!(started.exists());
     eprintln!("SPIRE: the job started {:?} after the entry was created", registered.elapsed());

@@ -437,11 +437,7 @@ fn busy_mount_is_detached_lazily_and_loop_follows() {
     assert_eq!(bound_loops_under(&scratch.dir).len(), 1, "still bound while busy");
 
     drop(holder);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !bound_loops_under(&scratch.dir).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(bound_loops_under(&scratch.dir).is_empty(), "autoclear after the last user");
+    testkit::wait_until_blocking("the loop device autoclears after its last user", Duration::from_secs(5), || bound_loops_under(&scratch.dir).is_empty());
     assert_cleaned(&config, index);
     eprintln!("busy cleanup took {took:?}");
 }

@@ -7,8 +7,7 @@
 use std::{
     os::unix::fs::PermissionsExt,
     path::Path,
-    process::{Child, Command, ExitStatus, Stdio},
-    time::{Duration, Instant},
+    process::{Command, Stdio},
 };
 
 pub const SUPERVISOR: &str = env!("CARGO_BIN_EXE_supervisor");
@@ -46,29 +45,6 @@ fn base_args(state: &Path, extra: &[&str], job: &str) -> Vec<String> {
     args.extend(extra.iter().map(|s| (*s).to_owned()));
     args.extend(["--".into(), "sh".into(), "-c".into(), job.to_owned()]);
     args
-}
-
-pub fn wait_with_timeout(child: &mut Child, timeout: Duration) -> ExitStatus {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            panic!("the supervisor did not exit within {timeout:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Polls until `f` is true.
-pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// The host pid of a process whose parent is `parent` (unshare's forked child).

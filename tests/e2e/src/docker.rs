@@ -14,21 +14,20 @@ use std::{
     collections::HashSet,
     net::Ipv4Addr,
     path::{Path, PathBuf},
-    process::{Command, Output, Stdio},
+    process::Output,
     sync::Mutex,
-    time::{Duration, Instant},
 };
+
+use testkit::dockerd::{Dockerd, Network};
 
 use crate::run;
 
 pub struct HostDocker {
+    dockerd: Dockerd,
     pub socket: PathBuf,
     /// The host's address on the bridge: what containers reach the host at.
     pub bridge_ip: Ipv4Addr,
     bridge: String,
-    pid: u32,
-    child: Mutex<Option<std::process::Child>>,
-    dir: PathBuf,
     loaded: Mutex<HashSet<String>>,
 }
 
@@ -42,56 +41,23 @@ pub fn host() -> &'static HostDocker {
 impl HostDocker {
     fn start() -> HostDocker {
         let (bridge, bridge_ip) = claim_bridge();
-        let dir = tempfile::Builder::new().prefix("gdr-e2e-dockerd-").tempdir_in("/tmp").unwrap().keep();
-        let socket = dir.join("docker.sock");
-        let log = std::fs::File::create(dir.join("dockerd.log")).unwrap();
-        let child = Command::new("dockerd")
-            .arg(format!("--host=unix://{}", socket.display()))
-            .arg(format!("--data-root={}", dir.join("data").display()))
-            .arg(format!("--exec-root={}", dir.join("exec").display()))
-            .arg(format!("--pidfile={}", dir.join("docker.pid").display()))
-            .arg(format!("--bridge={bridge}"))
-            // The host's firewall is not ours to change: containers only need to reach
-            // the host on the bridge, which needs no NAT.
-            .args(["--iptables=false", "--ip-masq=false", "--storage-driver=overlay2", "--exec-opt=native.cgroupdriver=cgroupfs"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("dockerd is not installed: run scripts/install-test-peers");
-        let host = HostDocker { socket, bridge_ip, bridge, pid: child.id(), child: Mutex::new(Some(child)), dir, loaded: Mutex::new(HashSet::new()) };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !host.ping() {
-            assert!(Instant::now() < deadline, "dockerd did not start:\n{}", host.log_tail(40));
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        host
-    }
-
-    fn ping(&self) -> bool {
-        self.docker(&["version", "--format", "{{.Server.Version}}"]).status.success()
+        let dockerd = Dockerd::start(Network::Bridge(bridge.clone()));
+        HostDocker { socket: dockerd.socket.clone(), dockerd, bridge_ip, bridge, loaded: Mutex::new(HashSet::new()) }
     }
 
     /// The last lines of dockerd's log.
     pub fn log_tail(&self, lines: usize) -> String {
-        testkit::log_tail(&self.dir.join("dockerd.log"), lines).unwrap_or_default()
+        self.dockerd.log_tail(lines)
     }
 
     /// `unix://…` for DOCKER_HOST and the controller's docker driver.
     pub fn url(&self) -> String {
-        format!("unix://{}", self.socket.display())
+        self.dockerd.url()
     }
 
     /// Runs the docker CLI against this daemon.
     pub fn docker(&self, args: &[&str]) -> Output {
-        Command::new("docker")
-            .arg("-H")
-            .arg(self.url())
-            .args(args)
-            .env("DOCKER_BUILDKIT", "0")
-            .stdin(Stdio::null())
-            .output()
-            .expect("the docker CLI is missing: run scripts/install-test-peers")
+        self.dockerd.docker(args)
     }
 
     /// The runner image of `variant`, built (cached) and loaded into this daemon once;
@@ -109,38 +75,19 @@ impl HostDocker {
 
     /// Names of the containers (running or not) with `label`.
     pub fn containers(&self, label: &str) -> Vec<String> {
-        let output = self.docker(&["ps", "-a", "--filter", &format!("label={label}"), "--format", "{{.Names}}"]);
-        String::from_utf8_lossy(&output.stdout).lines().map(str::to_owned).filter(|l| !l.is_empty()).collect()
+        self.dockerd.containers(label)
     }
 
     /// The data directory (for checks of what environments leave behind).
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.dockerd.dir()
     }
 }
 
 impl crate::SharedPeer for HostDocker {
     fn stop(&self) {
-        let _ = run("kill", &["-TERM", &self.pid.to_string()]);
-        if let Some(mut child) = self.child.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
-            // Our child stays in /proc as a zombie until reaped: ask it, not /proc.
-            let deadline = Instant::now() + Duration::from_secs(15);
-            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.dockerd.stop();
         release_bridge(&self.bridge);
-        // dockerd leaves its netns and overlay mounts behind after a stop.
-        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let dir = self.dir.display().to_string();
-        let mut ours: Vec<&str> = mounts.lines().filter_map(|l| l.split(' ').nth(4)).filter(|m| m.starts_with(&dir)).collect();
-        ours.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for mount in ours {
-            let _ = run("umount", &["-l", mount]);
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

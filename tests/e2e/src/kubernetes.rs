@@ -94,10 +94,8 @@ impl Cluster {
         );
         std::fs::write(&config, text).unwrap();
         let _ = run("kill", &[&pid]);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        // The old kubelet's exit is waited for, not asserted: the new one fails loudly if the port is still held.
+        let _ = testkit::poll_blocking(Duration::from_secs(30), || if Path::new(&format!("/proc/{pid}")).exists() { Err(()) } else { Ok(()) });
         let log = std::fs::OpenOptions::new().append(true).create(true).open(run_dir.join("logs/kubelet.log")).unwrap();
         let child = Command::new(&args[0]).args(&args[1..]).stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap();
         std::fs::write(run_dir.join("kubelet.pid"), child.id().to_string()).unwrap();
@@ -129,8 +127,7 @@ impl Cluster {
     }
 
     fn wait_until_schedulable(&self) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
+        testkit::poll_blocking(Duration::from_secs(120), || {
             let output = self.kubectl(&[
                 "get",
                 "nodes",
@@ -138,12 +135,9 @@ impl Cluster {
                 "jsonpath={range .items[*]}{.spec.taints}{\" ready=\"}{.status.conditions[?(@.type==\"Ready\")].status}{end}",
             ]);
             let text = String::from_utf8_lossy(&output.stdout).into_owned();
-            if output.status.success() && text.contains("ready=True") && !text.contains("NoSchedule") {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the node is not schedulable after 120 s: {text}");
-            std::thread::sleep(Duration::from_millis(500));
-        }
+            if output.status.success() && text.contains("ready=True") && !text.contains("NoSchedule") { Ok(()) } else { Err(text) }
+        })
+        .unwrap_or_else(|text| panic!("the node is not schedulable after 120 s: {text}"));
     }
 
     /// `kubectl` as cluster-admin.
@@ -202,11 +196,9 @@ impl Cluster {
     pub fn namespace(&self, prefix: &str) -> String {
         let name = format!("{prefix}-{}", fastrand::u32(..) % 1_000_000);
         self.kubectl_ok(&["create", "namespace", &name]);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.kubectl(&["-n", &name, "get", "serviceaccount", "default"]).status.success() {
-            assert!(Instant::now() < deadline, "namespace {name} has no default ServiceAccount after 60 s");
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        testkit::wait_until_blocking(&format!("namespace {name} has its default ServiceAccount"), Duration::from_secs(60), || {
+            self.kubectl(&["-n", &name, "get", "serviceaccount", "default"]).status.success()
+        });
         name
     }
 

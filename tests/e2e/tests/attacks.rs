@@ -480,14 +480,13 @@ fn victim_address(placement: Placement, namespace: Option<&str>, assignment_id: 
         Placement::Docker => return None,
         // The kubelet reports the Pod's address some time after its containers started.
         Placement::Kubernetes => tokio::task::block_in_place(|| {
-            let deadline = std::time::Instant::now() + Duration::from_secs(60);
-            loop {
+            // No address after a minute is the empty string, which the attack reports as unreachable.
+            testkit::poll_blocking(Duration::from_secs(60), || {
                 let address = cluster().kubectl_ok(&["-n", namespace.unwrap(), "get", "pod", environment, "-o", "jsonpath={.status.podIP}"]);
-                if !address.trim().is_empty() || std::time::Instant::now() > deadline {
-                    break address.trim().to_owned();
-                }
-                std::thread::sleep(Duration::from_millis(250));
-            }
+                let address = address.trim();
+                if address.is_empty() { Err(String::new()) } else { Ok(address.to_owned()) }
+            })
+            .unwrap_or_default()
         }),
         Placement::Sandbox => {
             let ids = host().docker(&["ps", "-q"]);

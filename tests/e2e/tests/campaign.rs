@@ -114,10 +114,8 @@ impl Process {
     fn term(&mut self) {
         self.signal(nix::sys::signal::Signal::SIGTERM);
         if let Some(mut child) = self.child.take() {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
+            // Up to a minute to drain; then it is killed like a Pod past its grace period.
+            let _ = testkit::poll_blocking(Duration::from_secs(60), || child.try_wait().unwrap().ok_or(()));
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -446,21 +444,15 @@ async fn random_faults_with_real_environments_lose_no_job() {
 /// Kills one environment of the campaign whose record is in `state`; false when none
 /// came within `patience`.
 async fn kill_one(store: &JetStream, label: &str, state: impl Fn(&State) -> bool, patience: Duration) -> bool {
-    let deadline = Instant::now() + patience;
-    while Instant::now() < deadline {
+    let target = testkit::poll(patience, || async {
         let running = host().containers(label);
-        for record in store.list().await.unwrap_or_default() {
-            let record = record.value;
-            if let Some(environment) = record.environment.as_ref().filter(|e| running.contains(e))
-                && state(&record.state)
-            {
-                let output = host().docker(&["kill", environment]);
-                return output.status.success();
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let records = store.list().await.unwrap_or_default();
+        records.into_iter().find_map(|record| record.value.environment.filter(|e| running.contains(e) && state(&record.value.state))).ok_or(())
+    });
+    match target.await {
+        Ok(environment) => host().docker(&["kill", &environment]).status.success(),
+        Err(()) => false,
     }
-    false
 }
 
 /// Waits until the run's tasks ended (or [`SETTLE`] passed); returns them. A task that

@@ -77,18 +77,13 @@ fn controller_state(namespace: &str) -> String {
 }
 
 async fn wait_for_one_ready_controller(namespace: &str, not: Option<&str>) -> String {
-    let deadline = Instant::now() + Duration::from_secs(180);
-    loop {
-        let pods = tokio::task::block_in_place(|| controller_pods(namespace));
-        if let [(name, phase, true)] = pods.as_slice()
-            && phase == "Running"
-            && Some(name.as_str()) != not
-        {
-            return name.clone();
+    let ready = testkit::poll(Duration::from_secs(180), || async {
+        match tokio::task::block_in_place(|| controller_pods(namespace)).as_slice() {
+            [(name, phase, true)] if phase == "Running" && Some(name.as_str()) != not => Ok(name.clone()),
+            _ => Err(()),
         }
-        assert!(Instant::now() < deadline, "no ready controller Pod after 180 s:\n{}", tokio::task::block_in_place(|| controller_state(namespace)));
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    });
+    ready.await.unwrap_or_else(|()| panic!("no ready controller Pod after 180 s:\n{}", tokio::task::block_in_place(|| controller_state(namespace))))
 }
 
 const JOBS: &str = r#"name: chart

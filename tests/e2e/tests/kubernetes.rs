@@ -118,18 +118,14 @@ async fn a_job_runs_in_an_unprivileged_pod_by_default() {
     let label = controller.environment_label();
     let spec = {
         let namespace = namespace.clone();
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let pods = tokio::task::block_in_place(|| cluster().pods(&namespace, &label));
-            if let Some(pod) = pods.first() {
-                let output = tokio::task::block_in_place(|| cluster().kubectl(&["-n", &namespace, "get", "pod", pod, "-o", "json"]));
-                if output.status.success() {
-                    break serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap();
-                }
-            }
-            assert!(Instant::now() < deadline, "no Pod was made");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        testkit::wait_for("a job Pod is made", Duration::from_secs(120), || {
+            tokio::task::block_in_place(|| {
+                let pod = cluster().pods(&namespace, &label).into_iter().next()?;
+                let output = cluster().kubectl(&["-n", &namespace, "get", "pod", &pod, "-o", "json"]);
+                output.status.success().then(|| serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap())
+            })
+        })
+        .await
     };
     let context = &spec["spec"]["containers"][0]["securityContext"];
     assert_eq!(context["privileged"], false, "{context}");

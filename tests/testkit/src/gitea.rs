@@ -624,20 +624,13 @@ impl Gitea {
     /// Polls [`Gitea::tasks`] every 200 ms until `done` holds; panics on timeout with the
     /// last tasks seen and the tail of Gitea's log.
     pub async fn wait_for_tasks(&self, repo: &Repo, timeout: Duration, done: impl Fn(&[TaskInfo]) -> bool) -> Vec<TaskInfo> {
-        let deadline = Instant::now() + timeout;
-        loop {
+        let tasks = crate::poll(timeout, || async {
             let tasks = self.tasks(repo).await;
-            if done(&tasks) {
-                return tasks;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out after {timeout:?} waiting for the tasks of {}; last seen: {tasks:#?}\n--- gitea log ---\n{}",
-                repo.full_name(),
-                self.log_tail(60)
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+            if done(&tasks) { Ok(tasks) } else { Err(tasks) }
+        });
+        tasks.await.unwrap_or_else(|tasks| {
+            panic!("timed out after {timeout:?} waiting for the tasks of {}; last seen: {tasks:#?}\n--- gitea log ---\n{}", repo.full_name(), self.log_tail(60))
+        })
     }
 
     /// Which release this is.
@@ -701,22 +694,19 @@ impl Gitea {
     /// Polls [`Gitea::run`] every 200 ms until the run exists and `done` holds; panics on
     /// timeout with the last view and the log tail.
     pub async fn wait_for_run(&self, repo: &Repo, run_number: i64, timeout: Duration, done: impl Fn(&RunView) -> bool) -> RunView {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let run = self.run(repo, run_number).await;
-            if let Some(run) = &run
-                && done(run)
-            {
-                return run.clone();
+        let run = crate::poll(timeout, || async {
+            match self.run(repo, run_number).await {
+                Some(run) if done(&run) => Ok(run),
+                other => Err(other),
             }
-            assert!(
-                Instant::now() < deadline,
+        });
+        run.await.unwrap_or_else(|run| {
+            panic!(
                 "timed out after {timeout:?} waiting for run {run_number} of {}; last seen: {run:#?}\n--- gitea log ---\n{}",
                 repo.full_name(),
                 self.log_tail(60)
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+            )
+        })
     }
 
     /// A job's log as Gitea serves it (`GET /{o}/{r}/actions/runs/{run}/jobs/{idx}/logs`,
@@ -764,15 +754,11 @@ impl Gitea {
 
     /// Waits (up to 120 s) until job `job_index` of run `run_number` has logged `needle`.
     pub async fn wait_for_log(&self, repo: &Repo, run_number: i64, job_index: usize, needle: &str) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(120);
-        loop {
+        let logged = crate::poll(Duration::from_secs(120), || async {
             let log = self.try_job_log(repo, run_number, job_index).await.unwrap_or_else(|error| error);
-            if log.contains(needle) {
-                return;
-            }
-            assert!(std::time::Instant::now() < deadline, "{needle:?} never appeared in the job log:\n{log}");
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+            if log.contains(needle) { Ok(()) } else { Err(log) }
+        });
+        logged.await.unwrap_or_else(|log| panic!("{needle:?} never appeared in the job log:\n{log}"));
     }
 
     /// Cancels a run the way the web UI's Cancel button does:
@@ -854,13 +840,12 @@ impl Gitea {
         };
         let pid = nix::unistd::Pid::from_raw(raw);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            match child.try_wait() {
-                Ok(Some(_)) | Err(_) => return,
-                Ok(None) if Instant::now() >= deadline => break,
-                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            }
+        let exited = crate::poll_blocking(Duration::from_secs(5), || match child.try_wait() {
+            Ok(Some(_)) | Err(_) => Ok(()),
+            Ok(None) => Err(()),
+        });
+        if exited.is_ok() {
+            return;
         }
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
         let _ = child.wait();
@@ -1012,38 +997,40 @@ fn spawn_web(bin: &Path, root: &Path) -> Child {
 /// Waits until `GET /api/v1/version` answers 1.23.8. `Err(log tail)` when the process
 /// exited or could not listen (then killed); panics (after killing it) on timeout.
 async fn wait_until_up(http: &reqwest::Client, url: &str, version: GiteaVersion, child: &mut Child, root: &Path, timeout: Duration) -> Result<(), String> {
-    let deadline = Instant::now() + timeout;
-    let version_url = format!("{url}/api/v1/version");
+    let version_url = &format!("{url}/api/v1/version");
     let log = || {
         let mut log = crate::log_tail(&root.join("log/gitea.log"), 60).unwrap_or_default();
         log.push_str("\n--- gitea web stdout/stderr ---\n");
         log.push_str(&crate::log_tail(&root.join("web.out"), 20).unwrap_or_default());
         log
     };
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!("(exit: {status})\n{}", log()));
+    // Ok(Ok) up, Ok(Err) given up on (exited, or cannot listen): the caller retries.
+    let outcome = crate::poll(timeout, || {
+        let exited = child.try_wait().ok().flatten();
+        async move {
+            if let Some(status) = exited {
+                return Ok(Err(format!("(exit: {status})\n{}", log())));
+            }
+            if let Ok(resp) = http.get(version_url).timeout(Duration::from_secs(2)).send().await
+                && resp.status().is_success()
+            {
+                let body: serde_json::Value = resp.json().await.expect("version JSON");
+                assert_eq!(body["version"], version.release(), "unexpected Gitea version at {version_url}");
+                return Ok(Ok(()));
+            }
+            // Gitea does not exit when it cannot listen: it logs the error and idles.
+            if crate::log_tail(&root.join("log/gitea.log"), 20).is_some_and(|t| t.contains("bind: address already in use")) {
+                return Ok(Err(log()));
+            }
+            Err(())
         }
-        if let Ok(resp) = http.get(&version_url).timeout(Duration::from_secs(2)).send().await
-            && resp.status().is_success()
-        {
-            let body: serde_json::Value = resp.json().await.expect("version JSON");
-            assert_eq!(body["version"], version.release(), "unexpected Gitea version at {version_url}");
-            return Ok(());
-        }
-        // Gitea does not exit when it cannot listen: it logs the error and idles.
-        if crate::log_tail(&root.join("log/gitea.log"), 20).is_some_and(|t| t.contains("bind: address already in use")) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(log());
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("gitea web did not answer {version_url} within {timeout:?}\n{}", log());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    });
+    let outcome = outcome.await;
+    if !matches!(outcome, Ok(Ok(()))) {
+        let _ = child.kill();
+        let _ = child.wait();
     }
+    outcome.unwrap_or_else(|()| panic!("gitea web did not answer {version_url} within {timeout:?}\n{}", log()))
 }
 
 fn gitea_env_pairs(root: &Path) -> [(&'static str, PathBuf); 3] {

@@ -1,23 +1,28 @@
 //! Test-only helpers shared by the workspace's tests (a dev-dependency only).
 //!
 //! - [`workload`]: a fake SPIFFE Workload API server, scripted by the test.
-//! - [`wait_until`]: waiting on a condition instead of a fixed sleep.
+//! - [`wait`]: waiting on a condition instead of a fixed sleep, async and blocking.
 //! - [`fake_gitea`]: a fake Gitea runner API that follows the protocol reference.
 //! - [`fault_proxy`]: a proxy in front of the real Gitea that answers 401/503 on demand.
 //! - [`nats`]: a real nats-server with JetStream.
+//! - [`dockerd`]: a real dockerd, private (own network namespace) or on a bridge.
 //! - [`gitea`]: a REAL Gitea server, 1.23.8 or 1.27.3 (built from pinned upstream sources by scripts/install-test-peers).
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
 //! - [`spire`]: a REAL SPIRE server and agent.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
+pub mod dockerd;
 pub mod fake_gitea;
 pub mod fault_proxy;
 pub mod gitea;
 pub mod nats;
 pub mod opensandbox;
 pub mod spire;
+pub mod wait;
 pub mod workload;
+
+pub use wait::{poll, poll_blocking, wait_for, wait_for_async, wait_for_blocking, wait_for_exit, wait_until, wait_until_async, wait_until_blocking};
 
 use std::{path::PathBuf, time::Duration};
 
@@ -40,6 +45,31 @@ pub fn free_port(ip: std::net::IpAddr) -> u16 {
         if std::net::TcpListener::bind((ip, port)).is_ok() {
             return port;
         }
+    }
+}
+
+/// A child process that is killed and reaped when the test lets go of it — also when an
+/// assertion fails first, so that no process of a failed test outlives it.
+#[derive(Debug)]
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
     }
 }
 
@@ -76,29 +106,6 @@ pub fn peer(name: &str) -> PathBuf {
     let path = peers_cache().join("bin").join(name);
     assert!(path.exists(), "{} is missing: run scripts/install-test-peers", path.display());
     path
-}
-
-/// Waits until `condition` holds, checking every 20 ms; panics after `timeout` with
-/// `what` (tests wait on conditions, never on fixed sleeps).
-pub async fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + timeout;
-    while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// [`wait_until`] for a condition that must itself await.
-pub async fn wait_until_async<F, Fut>(what: &str, timeout: Duration, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    while !condition().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// This process's resident memory in KiB (VmRSS of /proc/self/status), for tests and

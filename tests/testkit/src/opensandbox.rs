@@ -14,7 +14,7 @@
 use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 /// The tag of the stand-in execd image.
@@ -131,14 +131,13 @@ mode = "direct"
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", binary().display()));
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.healthy() {
+        let healthy = crate::poll_blocking(Duration::from_secs(60), || {
             if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
                 panic!("opensandbox-server exited ({status}):\n{}", self.log());
             }
-            assert!(Instant::now() < deadline, "opensandbox-server not healthy within 60 s:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            if self.healthy() { Ok(()) } else { Err(()) }
+        });
+        healthy.unwrap_or_else(|()| panic!("opensandbox-server not healthy within 60 s:\n{}", self.log()));
     }
 
     fn healthy(&self) -> bool {

@@ -8,7 +8,7 @@
 use std::{
     path::PathBuf,
     process::{Child, Command, Output, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use crate::peer;
@@ -24,14 +24,6 @@ impl Drop for SpireServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-fn until_ok(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -78,7 +70,7 @@ plugins {{
         let log = std::fs::File::create(d.join("server.log")).unwrap();
         let child = Command::new(peer("spire-server")).args(["run", "-config"]).arg(d.join("server.conf")).stdout(Stdio::null()).stderr(log).spawn().unwrap();
         let server = SpireServer { child, dir, port, trust_domain: trust_domain.to_owned() };
-        until_ok("spire-server to be healthy", Duration::from_secs(60), || server.cli(&["healthcheck"]).status.success());
+        crate::wait_until_blocking("spire-server is healthy", Duration::from_secs(60), || server.cli(&["healthcheck"]).status.success());
         server
     }
 
@@ -201,7 +193,7 @@ plugins {{
             .spawn()
             .unwrap();
         let agent = SpireAgent { child, dir };
-        until_ok("spire-agent to be healthy", Duration::from_secs(60), || {
+        crate::wait_until_blocking("spire-agent is healthy", Duration::from_secs(60), || {
             Command::new(peer("spire-agent")).args(["healthcheck", "-socketPath"]).arg(agent.socket()).output().unwrap().status.success()
         });
         agent

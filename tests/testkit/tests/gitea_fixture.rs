@@ -201,12 +201,11 @@ async fn cancel_run_stops_a_running_job_on_the_real_runner() {
     let mut daemon = runner_daemon_once(runner_dir.path());
     gitea.wait_for_tasks(&repo, Duration::from_secs(60), |tasks| tasks.iter().any(|t| t.status == "running")).await;
     // Wait until the step itself runs (its first line reached Gitea), so the cancel hits a live `sleep`.
-    let deadline = Instant::now() + Duration::from_secs(30);
     // Until then the route answers an error (1.23: 500 "file does not exist"; 1.27: 404).
-    while !gitea.try_job_log(&repo, 1, 0).await.is_ok_and(|log| log.contains("started")) {
-        assert!(Instant::now() < deadline, "the step never started:\n{}", runner_output(runner_dir.path()));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let started = testkit::poll(Duration::from_secs(30), || async {
+        if gitea.try_job_log(&repo, 1, 0).await.is_ok_and(|log| log.contains("started")) { Ok(()) } else { Err(()) }
+    });
+    started.await.unwrap_or_else(|()| panic!("the step never started:\n{}", runner_output(runner_dir.path())));
 
     let t = Instant::now();
     gitea.cancel_run(&repo, 1).await;
