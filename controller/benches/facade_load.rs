@@ -12,7 +12,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
-    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -23,6 +22,7 @@ use proto::{
     runner::v1::{LogRow, UpdateLogRequest as RunnerLog},
 };
 use testkit::{
+    controller_config::ControllerConfig,
     fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN},
     nats::NatsServer,
 };
@@ -66,51 +66,16 @@ impl Drop for Controller {
 
 fn start_controller(dir: &Path, gitea: &FakeGitea, nats: &str, capacity: usize) -> (Controller, PathBuf) {
     let socket = dir.join("facade.sock");
-    std::fs::write(dir.join("registration-token"), REGISTRATION_TOKEN).unwrap();
-    let key = dir.join("capability.key");
-    std::fs::write(&key, "0123456789abcdef0123456789abcdef-facade-load\n").unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
     let port = testkit::free_local_port();
-    let config = dir.join("controller.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"[gitea]
-url = "{gitea}"
-registration_token_file = "{dir}/registration-token"
-credential_dir = "{dir}/runners"
-fetch_interval = "100ms"
-fetch_interval_max = "100ms"
-
-[identity]
-trust_domain = "example.org"
-
-[store]
-kind = "jetstream"
-url = "{nats}"
-
-[facade]
-capability_key_file = "{key}"
-unix_socket = "{socket}"
-url = "unix://{socket}"
-
-[http]
-listen = "127.0.0.1:{port}"
-
-[[pool]]
-placement = "container.docker"
-capacity = {capacity}
-
-[docker]
-image = "unused-with-the-test-driver"
-"#,
-            gitea = gitea.url(),
-            dir = dir.display(),
-            key = key.display(),
-            socket = socket.display(),
-        ),
-    )
-    .unwrap();
+    let config = ControllerConfig::new(dir, &gitea.url(), REGISTRATION_TOKEN)
+        .jetstream(nats)
+        .unset("facade.environment_socket_dir")
+        .set("facade.unix_socket", socket.display().to_string())
+        .set("facade.url", format!("unix://{}", socket.display()))
+        .set("http.listen", format!("127.0.0.1:{port}"))
+        .pool("container.docker", capacity)
+        .set("docker.image", "unused-with-the-test-driver")
+        .write("controller.toml");
     let log = std::fs::File::create(dir.join("controller.log")).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_controller"))
         .args(["run", "--config"])

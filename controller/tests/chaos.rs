@@ -28,7 +28,6 @@ mod common;
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashSet},
-    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
@@ -44,7 +43,7 @@ use proto::{
     facade::v1::{AssignmentCredential, ClaimRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient},
     runner::v1::{Result as TaskResult, Task, TaskState, UpdateTaskRequest as RunnerUpdate},
 };
-use testkit::nats::NatsCluster;
+use testkit::{controller_config::ControllerConfig, nats::NatsCluster};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -116,48 +115,18 @@ impl Drop for Replica {
 
 fn replica(dir: &Path, name: &'static str, gitea: &FakeGitea, nats: &str, envs: &Environments) -> Replica {
     let port = testkit::free_local_port();
-    let config = dir.join(format!("controller-{name}.toml"));
-    std::fs::write(
-        &config,
-        format!(
-            r#"[gitea]
-url = "{gitea}"
-registration_token_file = "{dir}/registration-token"
-credential_dir = "{dir}/runners"
-fetch_interval = "100ms"
-fetch_interval_max = "100ms"
-reconcile_interval = "1s"
-lease_ttl = "2s"
-
-[identity]
-trust_domain = "example.org"
-
-[store]
-kind = "jetstream"
-url = "{nats}"
-subject = "{SUBJECT}"
-bucket = "{BUCKET}"
-ack_wait = "2s"
-replicas = 3
-
-[facade]
-capability_key_file = "{dir}/capability.key"
-environment_socket_dir = "{dir}/environments"
-
-[http]
-listen = "127.0.0.1:{port}"
-
-[[pool]]
-placement = "container.docker"
-capacity = {CAPACITY}
-
-{docker}"#,
-            gitea = gitea.url(),
-            dir = dir.display(),
-            docker = envs.docker_section(),
-        ),
-    )
-    .unwrap();
+    let config = ControllerConfig::new(dir, &gitea.url(), REGISTRATION_TOKEN)
+        .set("gitea.reconcile_interval", "1s")
+        .set("gitea.lease_ttl", "2s")
+        .jetstream(nats)
+        .set("store.subject", SUBJECT)
+        .set("store.bucket", BUCKET)
+        .set("store.ack_wait", "2s")
+        .set("store.replicas", 3)
+        .set("http.listen", format!("127.0.0.1:{port}"))
+        .pool("container.docker", CAPACITY)
+        .merge(&envs.docker_section())
+        .write(&format!("controller-{name}.toml"));
     let Environments::Files(driver_dir) = envs;
     let driver_dir = Some(driver_dir.clone());
     Replica { name, config, metrics: format!("127.0.0.1:{port}"), driver_dir, log: dir.join(format!("controller-{name}.log")), child: None }
@@ -533,10 +502,6 @@ impl Rig {
         let gitea = FakeGitea::start().await;
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        std::fs::write(d.join("registration-token"), REGISTRATION_TOKEN).unwrap();
-        let key = d.join("capability.key");
-        std::fs::write(&key, "0123456789abcdef0123456789abcdef-chaos-campaign\n").unwrap();
-        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
         let envs = Environments::Files(d.join("envs"));
         let mut replicas = [replica(d, "a", &gitea, &nats_url, &envs), replica(d, "b", &gitea, &nats_url, &envs)];
         // The first registers; the second finds the credentials.

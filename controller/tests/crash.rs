@@ -8,10 +8,9 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-use testkit::{KillOnDrop, nats, wait_for_exit};
+use testkit::{KillOnDrop, controller_config::ControllerConfig, nats, wait_for_exit};
 
 use std::{
-    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -45,49 +44,12 @@ struct Env {
 fn setup(gitea: &FakeGitea, nats: &nats::NatsServer) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    std::fs::write(d.join("registration-token"), REGISTRATION_TOKEN).unwrap();
-    let key = d.join("capability.key");
-    std::fs::write(&key, "0123456789abcdef0123456789abcdef-crash-test\n").unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = d.join("controller.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"[gitea]
-url = "{gitea}"
-registration_token_file = "{dir}/registration-token"
-credential_dir = "{dir}/runners"
-fetch_interval = "100ms"
-fetch_interval_max = "100ms"
-
-[identity]
-trust_domain = "example.org"
-
-[store]
-kind = "jetstream"
-url = "{nats}"
-ack_wait = "2s"
-
-[facade]
-capability_key_file = "{dir}/capability.key"
-environment_socket_dir = "{dir}/environments"
-
-[http]
-listen = "127.0.0.1:0"
-
-[[pool]]
-placement = "container.docker"
-capacity = 4
-
-[docker]
-image = "unused-with-the-test-driver"
-"#,
-            gitea = gitea.url(),
-            dir = d.display(),
-            nats = nats.url,
-        ),
-    )
-    .unwrap();
+    let config = ControllerConfig::new(d, &gitea.url(), REGISTRATION_TOKEN)
+        .jetstream(&nats.url)
+        .set("store.ack_wait", "2s")
+        .pool("container.docker", 4)
+        .set("docker.image", "unused-with-the-test-driver")
+        .write("controller.toml");
     Setup { envs: d.join("envs"), dir, config }
 }
 
@@ -147,24 +109,19 @@ async fn wait_for_environments(dir: &Path, n: usize, timeout: Duration) -> Vec<E
 }
 
 async fn facade(socket: &Path) -> FacadeServiceClient<tonic::transport::Channel> {
-    let socket = socket.to_owned();
-    for _ in 0..200 {
-        if socket.exists() {
-            let path = socket.clone();
-            if let Ok(channel) = tonic::transport::Endpoint::try_from("http://facade.local")
+    let connected = testkit::poll(Duration::from_secs(10), || {
+        let path = socket.to_owned();
+        async move {
+            tonic::transport::Endpoint::try_from("http://facade.local")
                 .unwrap()
                 .connect_with_connector(tower::service_fn(move |_| {
                     let path = path.clone();
                     async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
                 }))
                 .await
-            {
-                return FacadeServiceClient::new(channel);
-            }
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the facade socket never answered");
+    });
+    FacadeServiceClient::new(connected.await.unwrap_or_else(|error| panic!("the facade socket {} never answered: {error}", socket.display())))
 }
 
 /// Plays the supervisor of one environment on its own socket: claim, then report success.

@@ -13,7 +13,6 @@
 mod common;
 
 use std::{
-    os::unix::fs::PermissionsExt,
     process::{Command, Stdio},
     time::Duration,
 };
@@ -28,7 +27,7 @@ use proto::{
     facade::v1::{AssignmentCredential, ClaimRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient},
     runner::v1::{Result as TaskResult, TaskState, UpdateTaskRequest as RunnerUpdate},
 };
-use testkit::{KillOnDrop, nats::NatsServer, opensandbox::OpenSandbox, spire::SpireServer};
+use testkit::{KillOnDrop, controller_config::ControllerConfig, nats::NatsServer, opensandbox::OpenSandbox, spire::SpireServer};
 
 const IMAGE: &str = "gdr-sandbox:test";
 
@@ -55,68 +54,30 @@ async fn killed_between_create_and_record_keeps_exactly_one_sandbox() {
 
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    std::fs::write(d.join("registration-token"), REGISTRATION_TOKEN).unwrap();
-    std::fs::write(d.join("capability.key"), "0123456789abcdef0123456789abcdef-sandbox-crash\n").unwrap();
-    std::fs::set_permissions(d.join("capability.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
     let facade = format!("127.0.0.1:{}", testkit::free_local_port());
     let metrics = format!("127.0.0.1:{}", testkit::free_local_port());
-    let config = d.join("controller.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"[gitea]
-url = "{gitea}"
-registration_token_file = "{dir}/registration-token"
-credential_dir = "{dir}/runners"
-installation = "crash"
-fetch_interval = "100ms"
-fetch_interval_max = "100ms"
-reconcile_interval = "1s"
-
-[identity]
-trust_domain = "example.org"
-
-[store]
-kind = "jetstream"
-url = "{nats}"
-ack_wait = "2s"
-
-[facade]
-capability_key_file = "{dir}/capability.key"
-insecure_listen = "{facade}"
-url = "http://{facade}"
-environment_spiffe_endpoint_socket = "unix:///run/spire/agent.sock"
-
-[http]
-listen = "{metrics}"
-
-[[pool]]
-placement = "vm.opensandbox"
-capacity = 2
-
-[opensandbox]
-url = "{server}"
-api_key_file = "{key}"
-image = "{IMAGE}"
-entrypoint = ["/bin/sleep", "3600"]
-cpu = "500m"
-memory = "128Mi"
-timeout = "10m"
-
-[opensandbox.spire]
-server_socket = "{spire}"
-parent_id = "spiffe://example.org/gdr/sandbox/{{environment}}"
-stale_after = "1s"
-"#,
-            gitea = gitea.url(),
-            dir = d.display(),
-            nats = nats.url,
-            server = server.url(),
-            key = server.api_key_file().display(),
-            spire = spire.socket().display(),
-        ),
-    )
-    .unwrap();
+    let config = ControllerConfig::new(d, &gitea.url(), REGISTRATION_TOKEN)
+        .set("gitea.installation", "crash")
+        .set("gitea.reconcile_interval", "1s")
+        .jetstream(&nats.url)
+        .set("store.ack_wait", "2s")
+        .unset("facade.environment_socket_dir")
+        .set("facade.insecure_listen", facade.as_str())
+        .set("facade.url", format!("http://{facade}"))
+        .set("facade.environment_spiffe_endpoint_socket", "unix:///run/spire/agent.sock")
+        .set("http.listen", metrics.as_str())
+        .pool("vm.opensandbox", 2)
+        .set("opensandbox.url", server.url())
+        .set("opensandbox.api_key_file", server.api_key_file().display().to_string())
+        .set("opensandbox.image", IMAGE)
+        .set("opensandbox.entrypoint", vec!["/bin/sleep", "3600"])
+        .set("opensandbox.cpu", "500m")
+        .set("opensandbox.memory", "128Mi")
+        .set("opensandbox.timeout", "10m")
+        .set("opensandbox.spire.server_socket", spire.socket().display().to_string())
+        .set("opensandbox.spire.parent_id", "spiffe://example.org/gdr/sandbox/{environment}")
+        .set("opensandbox.spire.stale_after", "1s")
+        .write("controller.toml");
     let controller = |crash_at: Option<&str>| {
         let mut command = Command::new(env!("CARGO_BIN_EXE_controller"));
         command

@@ -519,18 +519,10 @@ impl Store for Embedded {
     /// redelivery are not counted).
     async fn lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
         // One process owns a redb file, so the leases live in memory.
-        let now = super::now_ms();
         let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
-        match leases.get(name) {
-            Some(lease) if lease.holder != holder && lease.expires_at_ms > now => Ok(false),
-            _ => {
-                leases.insert(
-                    name.to_owned(),
-                    super::Lease { holder: holder.to_owned(), expires_at_ms: now + i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX) },
-                );
-                Ok(true)
-            }
-        }
+        let Some(next) = super::Lease::take(leases.get(name), holder, super::now_ms(), ttl) else { return Ok(false) };
+        leases.insert(name.to_owned(), next);
+        Ok(true)
     }
 
     async fn healthy(&self) -> Result<(), StoreError> {

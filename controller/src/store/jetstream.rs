@@ -545,20 +545,14 @@ impl Store for JetStream {
 
     async fn lease(&self, name: &str, holder: &str, ttl: Duration) -> Result<bool, StoreError> {
         let what = || format!("the lease {name}");
-        let now = super::now_ms();
-        let next = serde_json::to_vec(&super::Lease { holder: holder.to_owned(), expires_at_ms: now + i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX) })
-            .map_err(|e| StoreError::Corrupt { key: name.to_owned(), reason: e.to_string() })?;
-        let current = self.leases.entry(name).await.map_err(unavailable(what()))?;
-        let outcome = match current.filter(|e| e.operation == kv::Operation::Put) {
+        let corrupt = |e: serde_json::Error| StoreError::Corrupt { key: name.to_owned(), reason: e.to_string() };
+        let entry = self.leases.entry(name).await.map_err(unavailable(what()))?.filter(|e| e.operation == kv::Operation::Put);
+        let current: Option<super::Lease> = entry.as_ref().map(|e| serde_json::from_slice(&e.value)).transpose().map_err(corrupt)?;
+        let Some(next) = super::Lease::take(current.as_ref(), holder, super::now_ms(), ttl) else { return Ok(false) };
+        let next = serde_json::to_vec(&next).map_err(corrupt)?;
+        let outcome = match entry {
             None => self.leases.create(name, next.into()).await.map(|_| ()).map_err(|e| e.to_string()),
-            Some(entry) => {
-                let lease: super::Lease =
-                    serde_json::from_slice(&entry.value).map_err(|e| StoreError::Corrupt { key: name.to_owned(), reason: e.to_string() })?;
-                if lease.holder != holder && lease.expires_at_ms > now {
-                    return Ok(false);
-                }
-                self.leases.update(name, next.into(), entry.revision).await.map(|_| ()).map_err(|e| e.to_string())
-            }
+            Some(entry) => self.leases.update(name, next.into(), entry.revision).await.map(|_| ()).map_err(|e| e.to_string()),
         };
         // Losing the compare-and-set means another holder took it first.
         Ok(outcome.is_ok())

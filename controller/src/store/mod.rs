@@ -190,6 +190,19 @@ pub struct Lease {
     pub expires_at_ms: i64,
 }
 
+impl Lease {
+    /// The rule of both stores' leases: `holder` asking for `current` at `now_ms` gets a
+    /// lease until `ttl` from now — new, renewed, or taken over once the other holder's
+    /// has expired — or nothing while another holder's has not. Wall-clock time, because
+    /// replicas on different machines compare it.
+    pub fn take(current: Option<&Lease>, holder: &str, now_ms: i64, ttl: Duration) -> Option<Lease> {
+        if current.is_some_and(|lease| lease.holder != holder && lease.expires_at_ms > now_ms) {
+            return None;
+        }
+        Some(Lease { holder: holder.to_owned(), expires_at_ms: now_ms.saturating_add(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)) })
+    }
+}
+
 /// A record with the revision it was read at, for compare-and-set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Versioned<T> {
@@ -333,6 +346,25 @@ pub fn now_ms() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lease rule on a made-up clock (the stores' tests check that each applies it).
+    #[test]
+    fn a_lease_has_one_holder_until_it_expires() {
+        let ttl = Duration::from_secs(2);
+        let held = |holder: &str, until: i64| Some(Lease { holder: holder.into(), expires_at_ms: until });
+        let cases = [
+            ("free: taken", None, "a", 1_000, held("a", 3_000)),
+            ("held by another: refused", held("a", 3_000), "b", 1_000, None),
+            ("renewed by its holder before expiry", held("a", 3_000), "a", 2_200, held("a", 4_200)),
+            ("the renewal holds others off", held("a", 4_200), "b", 3_400, None),
+            ("another's, a millisecond before it expires", held("a", 4_200), "b", 4_199, None),
+            ("expired at its instant: taken over", held("a", 4_200), "b", 4_200, held("b", 6_200)),
+            ("its holder renews after expiry too", held("a", 4_200), "a", 9_000, held("a", 11_000)),
+        ];
+        for (name, current, holder, now, expected) in cases {
+            assert_eq!(Lease::take(current.as_ref(), holder, now, ttl), expected, "{name}");
+        }
+    }
 
     fn record(state: State) -> Record {
         Record { state, ..Record::pending("gitea-task-1", Placement::CONTAINER_DOCKER, "", Vec::new(), 0) }

@@ -9,6 +9,7 @@ use controller::{
     config::Config,
     store::{Record, Store},
 };
+use testkit::controller_config::ControllerConfig;
 use tokio_util::sync::CancellationToken;
 
 /// How a test controller is set up.
@@ -174,6 +175,104 @@ impl Options {
     }
 }
 
+/// The job-local dockerd's privileges in `[docker]`: Docker's --privileged is refused
+/// on these hosts, so the explicit list.
+pub const JOB_DOCKERD_PRIVILEGES: &str = r#"[docker]
+job_dockerd = true
+cap_add = ["ALL"]
+cap_drop = ["SYS_RESOURCE"]
+security_opt = ["seccomp=unconfined", "apparmor=unconfined"]
+device_cgroup_rules = ["b 7:* rmw", "c 10:237 rmw"]
+"#;
+
+impl Options {
+    /// The controller's configuration for these options, with its files in `dir`.
+    fn controller_config(&self, dir: &std::path::Path) -> ControllerConfig {
+        let mut config = ControllerConfig::new(dir, &self.gitea_url, &self.registration_token)
+            .set("gitea.runner_name", "e2e")
+            .set("gitea.reconcile_interval", "2s")
+            .set("identity.trust_domain", "e2e.test")
+            .set("http.listen", self.http_listen.as_str());
+        if let Some(url) = &self.environment_gitea_url {
+            config = config.set("gitea.environment_url", url.as_str());
+        }
+        config = match &self.fetch_interval {
+            Some(interval) => config.set("gitea.fetch_interval", interval.as_str()).set("gitea.fetch_interval_max", interval.as_str()),
+            None => config.unset("gitea.fetch_interval").unset("gitea.fetch_interval_max"),
+        }
+        .merge_into("gitea", &self.extra_gitea);
+        if let Some(store) = &self.store {
+            config = config.replace("store", store);
+        }
+        match (&self.opensandbox, &self.kubernetes) {
+            (None, Some(pods)) => {
+                let facade = match &pods.spire {
+                    None => format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = pods.facade_listen),
+                    Some(spire) => mtls_facade(
+                        &pods.facade_listen,
+                        &spire.agent_socket,
+                        &spire.controller_id,
+                        &format!("{}/{}", PodSpire::SOCKET_DIR_IN_POD, spire.agent_socket.file_name().unwrap().to_string_lossy()),
+                    ),
+                };
+                config = config
+                    .pool("container.kubernetes", self.capacity)
+                    .unset("facade.environment_socket_dir")
+                    .merge_into("facade", &facade)
+                    .set("kubernetes.kubeconfig", pods.kubeconfig.display().to_string())
+                    .set("kubernetes.namespace", pods.namespace.as_str())
+                    .set("kubernetes.image", self.image.as_str())
+                    .set("kubernetes.image_pull_policy", "Never")
+                    .set("kubernetes.termination_grace", "30s")
+                    .set("kubernetes.job_dockerd", self.job_dockerd)
+                    .merge_into("kubernetes", &pods.extra);
+                if let Some(spire) = &pods.spire {
+                    config = config
+                        .set("kubernetes.workload_api.host_path", spire.agent_socket.parent().unwrap().display().to_string())
+                        .set("kubernetes.workload_api.mount_path", PodSpire::SOCKET_DIR_IN_POD)
+                        .set("kubernetes.spire.server_socket", spire.server_socket.display().to_string())
+                        .set("kubernetes.spire.parent_id", spire.parent_id.as_str())
+                        .set("kubernetes.spire.selectors", vec![format!("k8s:ns:{}", pods.namespace), "k8s:pod-name:{environment}".to_owned()]);
+                }
+            }
+            (None, None) => {
+                config = config
+                    .pool("container.docker", self.capacity)
+                    .set("facade.environment_socket_dir", self.socket_dir.clone().unwrap_or_else(|| dir.join("environments")).display().to_string())
+                    .set("docker.image", self.image.as_str())
+                    .set("docker.socket", self.docker_socket.display().to_string());
+                if self.job_dockerd {
+                    config = config.merge(JOB_DOCKERD_PRIVILEGES);
+                }
+                config = config.merge_into("docker", &self.docker_extra);
+            }
+            (Some(sandbox), _) => {
+                let facade = match &sandbox.spire {
+                    None => format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = sandbox.facade_listen),
+                    Some(spire) => mtls_facade(&sandbox.facade_listen, &spire.agent_socket, &spire.controller_id, SandboxSpire::SOCKET_IN_SANDBOX),
+                };
+                config = config
+                    .pool("vm.opensandbox", self.capacity)
+                    .unset("facade.environment_socket_dir")
+                    .merge_into("facade", &facade)
+                    .set("opensandbox.url", sandbox.url.as_str())
+                    .set("opensandbox.api_key_file", sandbox.api_key_file.display().to_string())
+                    .set("opensandbox.image", self.image.as_str())
+                    .set("opensandbox.cpu", "1")
+                    .set("opensandbox.memory", "2Gi")
+                    .set("opensandbox.timeout", "30m")
+                    .merge_into("opensandbox", &sandbox.extra);
+                if let Some(spire) = &sandbox.spire {
+                    config = config
+                        .set("opensandbox.spire.server_socket", spire.server_socket.display().to_string())
+                        .set("opensandbox.spire.parent_id", spire.parent_id.as_str());
+                }
+            }
+        }
+        config
+    }
+}
+
 pub struct Controller {
     pub config: Config,
     pub store: Arc<dyn Store>,
@@ -202,140 +301,13 @@ impl Controller {
                 (Some(owned), path)
             }
         };
-        std::fs::write(dir.join("registration-token"), &options.registration_token).unwrap();
         let key = dir.join("capability.key");
         if !key.exists() {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&key).unwrap();
-            std::io::Write::write_all(&mut file, options.capability_key.as_bytes()).unwrap();
+            testkit::controller_config::write_secret(&key, &options.capability_key);
         }
-        let socket_dir = options.socket_dir.clone().unwrap_or_else(|| dir.join("environments"));
-        let store = options.store.clone().unwrap_or_else(|| format!("kind = \"embedded\"\npath = \"{}/store.redb\"", dir.display()));
-        let environment_url = options.environment_gitea_url.as_ref().map(|u| format!("environment_url = \"{u}\"\n")).unwrap_or_default();
-        let (placement, driver, facade) = match (&options.opensandbox, &options.kubernetes) {
-            (None, Some(pods)) => (
-                "container.kubernetes",
-                format!(
-                    r#"[kubernetes]
-kubeconfig = "{kubeconfig}"
-namespace = "{namespace}"
-image = "{image}"
-image_pull_policy = "Never"
-termination_grace = "30s"
-job_dockerd = {job_dockerd}
-{extra}
-{spire}"#,
-                    kubeconfig = pods.kubeconfig.display(),
-                    job_dockerd = options.job_dockerd,
-                    namespace = pods.namespace,
-                    image = options.image,
-                    extra = pods.extra,
-                    spire = pods.spire.as_ref().map_or_else(String::new, |spire| format!(
-                        "[kubernetes.workload_api]\nhost_path = \"{dir}\"\nmount_path = \"{inside}\"\n[kubernetes.spire]\nserver_socket = \"{server}\"\nparent_id = \"{parent}\"\nselectors = [\"k8s:ns:{namespace}\", \"k8s:pod-name:{{environment}}\"]\n",
-                        dir = spire.agent_socket.parent().unwrap().display(),
-                        inside = PodSpire::SOCKET_DIR_IN_POD,
-                        server = spire.server_socket.display(),
-                        parent = spire.parent_id,
-                        namespace = pods.namespace,
-                    )),
-                ),
-                match &pods.spire {
-                    None => format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = pods.facade_listen),
-                    Some(spire) => mtls_facade(&pods.facade_listen, &spire.agent_socket, &spire.controller_id, &format!(
-                        "{}/{}",
-                        PodSpire::SOCKET_DIR_IN_POD,
-                        spire.agent_socket.file_name().unwrap().to_string_lossy()
-                    )),
-                },
-            ),
-            (None, None) => (
-                "container.docker",
-                format!(
-                    r#"[docker]
-image = "{image}"
-socket = "{docker}"
-{privileges}
-{extra}
-"#,
-                    image = options.image,
-                    docker = options.docker_socket.display(),
-                    extra = options.docker_extra,
-                    // Docker's --privileged is refused on these hosts: the explicit list.
-                    privileges = if options.job_dockerd {
-                        "job_dockerd = true\ncap_add = [\"ALL\"]\ncap_drop = [\"SYS_RESOURCE\"]\nsecurity_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"]\ndevice_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"]"
-                    } else {
-                        ""
-                    },
-                ),
-                format!("environment_socket_dir = \"{}\"", socket_dir.display()),
-            ),
-            (Some(sandbox), _) => (
-                "vm.opensandbox",
-                format!(
-                    r#"[opensandbox]
-url = "{url}"
-api_key_file = "{key}"
-image = "{image}"
-cpu = "1"
-memory = "2Gi"
-timeout = "30m"
-{extra}
-{spire}"#,
-                    url = sandbox.url,
-                    key = sandbox.api_key_file.display(),
-                    image = options.image,
-                    extra = sandbox.extra,
-                    spire = sandbox.spire.as_ref().map_or_else(String::new, |spire| format!(
-                        "[opensandbox.spire]\nserver_socket = \"{}\"\nparent_id = \"{}\"\n",
-                        spire.server_socket.display(),
-                        spire.parent_id
-                    )),
-                ),
-                match &sandbox.spire {
-                    None => format!("insecure_listen = \"{listen}\"\nurl = \"http://{listen}\"", listen = sandbox.facade_listen),
-                    Some(spire) => mtls_facade(&sandbox.facade_listen, &spire.agent_socket, &spire.controller_id, SandboxSpire::SOCKET_IN_SANDBOX),
-                },
-            ),
-        };
-        let text = format!(
-            r#"[gitea]
-url = "{gitea}"
-{environment_url}registration_token_file = "{dir}/registration-token"
-credential_dir = "{dir}/runners"
-runner_name = "e2e"
-{fetch_interval}reconcile_interval = "2s"
-{extra}
-
-[identity]
-trust_domain = "e2e.test"
-
-[store]
-{store}
-
-[facade]
-capability_key_file = "{dir}/capability.key"
-{facade}
-
-[http]
-listen = "{http_listen}"
-
-[[pool]]
-placement = "{placement}"
-capacity = {capacity}
-
-{driver}"#,
-            gitea = options.gitea_url,
-            dir = dir.display(),
-            extra = options.extra_gitea,
-            fetch_interval = options
-                .fetch_interval
-                .as_ref()
-                .map(|interval| format!("fetch_interval = \"{interval}\"\nfetch_interval_max = \"{interval}\"\n"))
-                .unwrap_or_default(),
-            capacity = options.capacity,
-            http_listen = options.http_listen,
-        );
-        std::fs::write(dir.join("controller.toml"), &text).unwrap();
+        let config = options.controller_config(&dir);
+        let text = config.text();
+        config.write("controller.toml");
         let config = Config::parse(&text, &dir.join("controller.toml"), &Default::default()).unwrap();
         let store = app::open_store(&config).await.unwrap();
         let components = Components::parse(&options.components).unwrap();

@@ -27,7 +27,6 @@
 
 use std::{
     collections::BTreeMap,
-    os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
@@ -40,6 +39,7 @@ use std::{
 use controller::store::{State, Store, jetstream::JetStream};
 use e2e::docker::host;
 use testkit::{
+    controller_config::ControllerConfig,
     fault_proxy::FaultProxy,
     gitea::{Gitea, GiteaOptions, Repo, TaskInfo, strip_log_timestamps},
     nats::NatsCluster,
@@ -140,55 +140,26 @@ impl Drop for Process {
     }
 }
 
-fn config(dir: &Path, proxy: &str, gitea: &str, nats: &str, image: &str, installation: &str) -> String {
-    format!(
-        r#"[gitea]
-url = "{proxy}"
-environment_url = "{gitea}"
-registration_token_file = "{dir}/registration-token"
-credential_dir = "{dir}/runners"
-installation = "{installation}"
-fetch_interval = "300ms"
-fetch_interval_max = "300ms"
-reconcile_interval = "2s"
-lease_ttl = "3s"
-
-[identity]
-trust_domain = "e2e.test"
-
-[store]
-kind = "jetstream"
-url = "{nats}"
-subject = "{SUBJECT}"
-bucket = "{BUCKET}"
-ack_wait = "5s"
-replicas = 3
-
-[facade]
-capability_key_file = "{dir}/capability.key"
-environment_socket_dir = "{dir}/environments"
-
-[http]
-listen = "127.0.0.1:0"
-
-[[pool]]
-placement = "container.docker"
-capacity = {CAPACITY}
-
-[docker]
-image = "{image}"
-socket = "{socket}"
-job_dockerd = true
-cap_add = ["ALL"]
-cap_drop = ["SYS_RESOURCE"]
-security_opt = ["seccomp=unconfined", "apparmor=unconfined"]
-device_cgroup_rules = ["b 7:* rmw", "c 10:237 rmw"]
-memory = "1G"
-cpus = "1"
-"#,
-        dir = dir.display(),
-        socket = host().socket.display(),
-    )
+fn config(dir: &Path, registration_token: &str, proxy: &str, gitea: &str, nats: &str, image: &str, installation: &str) -> ControllerConfig {
+    ControllerConfig::new(dir, proxy, registration_token)
+        .set("gitea.environment_url", gitea)
+        .set("gitea.installation", installation)
+        .set("gitea.fetch_interval", "300ms")
+        .set("gitea.fetch_interval_max", "300ms")
+        .set("gitea.reconcile_interval", "2s")
+        .set("gitea.lease_ttl", "3s")
+        .set("identity.trust_domain", "e2e.test")
+        .jetstream(nats)
+        .set("store.subject", SUBJECT)
+        .set("store.bucket", BUCKET)
+        .set("store.ack_wait", "5s")
+        .set("store.replicas", 3)
+        .pool("container.docker", CAPACITY)
+        .set("docker.image", image)
+        .set("docker.socket", host().socket.display().to_string())
+        .merge(e2e::stack::JOB_DOCKERD_PRIVILEGES)
+        .set("docker.memory", "1G")
+        .set("docker.cpus", "1")
 }
 
 fn workflow(iteration: usize, rng: &mut fastrand::Rng) -> String {
@@ -314,12 +285,9 @@ async fn random_faults_with_real_environments_lose_no_job() {
     let nats_url = cluster.lock().unwrap().url();
     let dir = e2e::stack::state_dir();
     let d = dir.path();
-    std::fs::write(d.join("registration-token"), gitea.runner_registration_token().await).unwrap();
-    let key = d.join("capability.key");
-    std::fs::write(&key, "campaign-capability-key-0123456789abcdef-0123456789").unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
     let installation = "campaign";
-    std::fs::write(d.join("controller.toml"), config(d, &proxy.url(), &gitea.url(), &nats_url, &image, installation)).unwrap();
+    let token = gitea.runner_registration_token().await;
+    config(d, &token, &proxy.url(), &gitea.url(), &nats_url, &image, installation).write("controller.toml");
     let process = |name: &'static str, components: &'static str| Process {
         name,
         config: d.join("controller.toml"),

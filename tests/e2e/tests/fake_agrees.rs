@@ -49,15 +49,9 @@ fn rows(lines: &[&str]) -> Vec<LogRow> {
 
 /// Plays the scenario; returns its transcript.
 async fn scenario(docker: &Gitea, other: &Gitea) -> (i64, Vec<String>) {
-    let mut task = None;
-    for _ in 0..100 {
-        if let Some(t) = docker.fetch_task(0, Duration::from_secs(5)).await.unwrap().task {
-            task = Some(t);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let task = task.expect("no task was handed out");
+    let task =
+        testkit::wait_for_async("a task is handed out", Duration::from_secs(60), || async { docker.fetch_task(0, Duration::from_secs(5)).await.unwrap().task })
+            .await;
     let id = task.id;
     let log = |index, lines: &[&str], no_more| UpdateLogRequest { task_id: id, index, rows: rows(lines), no_more };
     let state = |result: TaskResult, outputs: &[(&str, &str)]| UpdateTaskRequest {

@@ -5,6 +5,7 @@
 //! - [`fake_gitea`]: a fake Gitea runner API that follows the protocol reference.
 //! - [`fault_proxy`]: a proxy in front of the real Gitea that answers 401/503 on demand.
 //! - [`nats`]: a real nats-server with JetStream.
+//! - [`controller_config`]: the controller's TOML for a test, from a builder.
 //! - [`dockerd`]: a real dockerd, private (own network namespace) or on a bridge.
 //! - [`gitea`]: a REAL Gitea server, 1.23.8 or 1.27.3 (built from pinned upstream sources by scripts/install-test-peers).
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
@@ -12,6 +13,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
+pub mod controller_config;
 pub mod dockerd;
 pub mod fake_gitea;
 pub mod fault_proxy;

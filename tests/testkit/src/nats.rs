@@ -12,7 +12,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long the server may take to write its ports file and report JetStream healthy.
 const STARTUP: Duration = Duration::from_secs(20);
@@ -89,35 +89,25 @@ impl NatsServer {
     /// Polls for `<ports>/nats-server_<pid>.ports` and reads the client and monitoring URLs.
     fn wait_for_ports(&mut self, ports: &std::path::Path) -> (String, String) {
         let file = ports.join(format!("nats-server_{}.ports", self.child.id()));
-        let started = Instant::now();
-        loop {
+        let ports = crate::poll_blocking(STARTUP, || {
             self.check_alive();
             // The server may be writing the file: retry until it parses.
-            if let Ok(text) = std::fs::read_to_string(&file)
-                && let Ok(json) = serde_json::from_str::<serde_json::Value>(&text)
-            {
-                let first = |key: &str| json[key][0].as_str().map(str::to_owned);
-                if let (Some(url), Some(monitoring)) = (first("nats"), first("monitoring")) {
-                    return (url, monitoring);
-                }
-            }
-            assert!(started.elapsed() < STARTUP, "nats-server wrote no ports file within {STARTUP:?}:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(5));
-        }
+            let text = std::fs::read_to_string(&file).map_err(|_| ())?;
+            let json = serde_json::from_str::<serde_json::Value>(&text).map_err(|_| ())?;
+            let first = |key: &str| json[key][0].as_str().map(str::to_owned);
+            first("nats").zip(first("monitoring")).ok_or(())
+        });
+        ports.unwrap_or_else(|()| panic!("nats-server wrote no ports file within {STARTUP:?}:\n{}", self.log()))
     }
 
     /// Polls `/healthz?js-enabled-only=true` until it answers 200.
     fn wait_healthy(&mut self) {
         let host = self.monitoring.trim_start_matches("http://").to_owned();
-        let started = Instant::now();
-        loop {
+        let healthy = crate::poll_blocking(STARTUP, || {
             self.check_alive();
-            if http_status(&host, "/healthz?js-enabled-only=true") == Some(200) {
-                return;
-            }
-            assert!(started.elapsed() < STARTUP, "nats-server JetStream not healthy within {STARTUP:?}:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(5));
-        }
+            if http_status(&host, "/healthz?js-enabled-only=true") == Some(200) { Ok(()) } else { Err(()) }
+        });
+        healthy.unwrap_or_else(|()| panic!("nats-server JetStream not healthy within {STARTUP:?}:\n{}", self.log()));
     }
 }
 
@@ -270,23 +260,15 @@ impl NatsCluster {
     /// that leads a stream: a client connected to it then gets "no responders" for that
     /// stream's subjects (one CI run in a dozen, on the first write to a fresh cluster).
     fn wait_meshed(&self) {
-        let started = Instant::now();
         for (i, node) in self.nodes.iter().enumerate() {
             let host = format!("127.0.0.1:{}", node.monitoring);
-            loop {
+            crate::poll_blocking(Duration::from_secs(60), || {
                 let peers = routed_peers(&host);
-                if peers.len() + 1 >= self.nodes.len() {
-                    break;
-                }
-                assert!(
-                    started.elapsed() < Duration::from_secs(60),
-                    "{} has routes to {peers:?} only after 60 s, not to all {} other nodes:\n{}",
-                    node.name,
-                    self.nodes.len() - 1,
-                    self.log(i)
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+                if peers.len() + 1 >= self.nodes.len() { Ok(()) } else { Err(peers) }
+            })
+            .unwrap_or_else(|peers| {
+                panic!("{} has routes to {peers:?} only after 60 s, not to all {} other nodes:\n{}", node.name, self.nodes.len() - 1, self.log(i))
+            });
         }
     }
 
@@ -298,11 +280,8 @@ impl NatsCluster {
     /// meta leader and current replicas, which `js-enabled-only` does not.
     pub fn wait_healthy(&self, i: usize) {
         let host = format!("127.0.0.1:{}", self.nodes[i].monitoring);
-        let started = Instant::now();
-        while http_status(&host, "/healthz") != Some(200) {
-            assert!(started.elapsed() < Duration::from_secs(60), "{} not healthy within 60 s:\n{}", self.nodes[i].name, self.log(i));
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        crate::poll_blocking(Duration::from_secs(60), || if http_status(&host, "/healthz") == Some(200) { Ok(()) } else { Err(()) })
+            .unwrap_or_else(|()| panic!("{} not healthy within 60 s:\n{}", self.nodes[i].name, self.log(i)));
     }
 
     pub fn log(&self, i: usize) -> String {
