@@ -10,21 +10,16 @@
 //! facade for two minutes that way). So the bridge is chosen under a lock, on a /24 that
 //! no interface uses, and bridges whose owner is gone are deleted first.
 
-use std::{
-    collections::HashSet,
-    net::Ipv4Addr,
-    path::{Path, PathBuf},
-    process::Output,
-    sync::Mutex,
-};
+use std::{collections::HashSet, net::Ipv4Addr, path::Path, sync::Mutex};
 
 use testkit::dockerd::{Dockerd, Network};
 
 use crate::run;
 
+/// The e2e tests' Docker host: testkit's dockerd on this binary's bridge (its socket,
+/// CLI and log come from [`Dockerd`] through `Deref`), and the runner images loaded into it.
 pub struct HostDocker {
     dockerd: Dockerd,
-    pub socket: PathBuf,
     /// The host's address on the bridge: what containers reach the host at.
     pub bridge_ip: Ipv4Addr,
     bridge: String,
@@ -38,26 +33,18 @@ pub fn host() -> &'static HostDocker {
     HOST.get_or_start(HostDocker::start)
 }
 
+impl std::ops::Deref for HostDocker {
+    type Target = Dockerd;
+    fn deref(&self) -> &Dockerd {
+        &self.dockerd
+    }
+}
+
 impl HostDocker {
     fn start() -> HostDocker {
         let (bridge, bridge_ip) = claim_bridge();
         let dockerd = Dockerd::start(Network::Bridge(bridge.clone()));
-        HostDocker { socket: dockerd.socket.clone(), dockerd, bridge_ip, bridge, loaded: Mutex::new(HashSet::new()) }
-    }
-
-    /// The last lines of dockerd's log.
-    pub fn log_tail(&self, lines: usize) -> String {
-        self.dockerd.log_tail(lines)
-    }
-
-    /// `unix://…` for DOCKER_HOST and the controller's docker driver.
-    pub fn url(&self) -> String {
-        self.dockerd.url()
-    }
-
-    /// Runs the docker CLI against this daemon.
-    pub fn docker(&self, args: &[&str]) -> Output {
-        self.dockerd.docker(args)
+        HostDocker { dockerd, bridge_ip, bridge, loaded: Mutex::new(HashSet::new()) }
     }
 
     /// The runner image of `variant`, built (cached) and loaded into this daemon once;
@@ -71,16 +58,6 @@ impl HostDocker {
             loaded.insert(tag.clone());
         }
         tag
-    }
-
-    /// Names of the containers (running or not) with `label`.
-    pub fn containers(&self, label: &str) -> Vec<String> {
-        self.dockerd.containers(label)
-    }
-
-    /// The data directory (for checks of what environments leave behind).
-    pub fn dir(&self) -> &Path {
-        self.dockerd.dir()
     }
 }
 

@@ -104,11 +104,6 @@ impl ControllerConfig {
         self.merge_into(section, lines)
     }
 
-    /// The directory it was made for.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     pub fn text(&self) -> String {
         toml::to_string(&self.doc).unwrap()
     }
