@@ -1,7 +1,8 @@
 //! The docker driver against a real dockerd (Debian's, started here in a private
 //! network namespace with the vfs storage driver so it needs no loop devices): one
 //! container per assignment with the environment contract and recovery labels,
-//! creation idempotent by assignment id, listing by labels, removal once terminal.
+//! creation idempotent by assignment id, listing by labels, removal once terminal, and
+//! the host's address in the containers' network.
 //! Uses the explicit capability list, because `--privileged` is refused on these hosts.
 
 #![allow(clippy::unwrap_used)]
@@ -70,6 +71,13 @@ async fn one_container_per_assignment_idempotent_listed_and_removed() {
     assert_eq!(inspect(&docker, name, "{{json .HostConfig.Binds}}"), format!("[\"{own}\"]"), "only its own facade directory is mounted");
     let limits = inspect(&docker, name, "{{.HostConfig.Memory}} {{.HostConfig.MemorySwap}} {{.HostConfig.NanoCpus}} {{.HostConfig.PidsLimit}}");
     assert_eq!(limits, "536870912 536870912 500000000 300");
+
+    // This dockerd made its default bridge itself, as on a machine's first start, so the
+    // network reports a subnet and no gateway: the host's address must still be the one
+    // Docker gives the container as its gateway (run-local serves the repository there).
+    let gateway = inspect(&docker, name, "{{.NetworkSettings.Gateway}}");
+    assert!(!gateway.is_empty(), "the container has no gateway on the default bridge");
+    assert_eq!(driver.host_address().await.unwrap().to_string(), gateway);
 
     driver.create(&spec("gitea-task-8", facade_dir)).await.unwrap();
     let selector = BTreeMap::from([(driver::LABEL_PLACEMENT.to_owned(), "container.docker".to_owned())]);

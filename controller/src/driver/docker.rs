@@ -263,9 +263,9 @@ impl DockerDriver {
             .and_then(|ipam| ipam.config)
             .into_iter()
             .flatten()
-            .filter_map(|config| config.gateway?.parse::<std::net::IpAddr>().ok())
-            .find(std::net::IpAddr::is_ipv4)
-            .ok_or_else(|| self.unavailable(format!("the network {network} has no IPv4 gateway")))
+            .find_map(|config| ipv4_gateway(config.gateway.as_deref(), config.subnet.as_deref()))
+            .map(std::net::IpAddr::V4)
+            .ok_or_else(|| self.unavailable(format!("the network {network} has no IPv4 gateway or subnet")))
     }
 
     fn unavailable(&self, detail: impl Into<String>) -> DriverError {
@@ -463,6 +463,46 @@ impl Driver for DockerDriver {
             // Removal already in progress (e.g. a concurrent delete).
             Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => Ok(()),
             Err(error) => Err(self.unavailable(format!("removing {name}: {error}"))),
+        }
+    }
+}
+
+/// The IPv4 gateway of one IPAM entry of a Docker network. A dockerd that made its default
+/// bridge itself (the first start on a machine) reports the subnet alone; the bridge's
+/// address is then the subnet's first host, which is the address Docker gives a bridge
+/// whose gateway is not set.
+fn ipv4_gateway(gateway: Option<&str>, subnet: Option<&str>) -> Option<std::net::Ipv4Addr> {
+    if let Some(gateway) = gateway.and_then(|g| g.parse::<std::net::Ipv4Addr>().ok()) {
+        return Some(gateway);
+    }
+    let (network, prefix) = subnet?.split_once('/')?;
+    let network = u32::from(network.parse::<std::net::Ipv4Addr>().ok()?);
+    let prefix: u32 = prefix.parse().ok().filter(|p| *p <= 30)?;
+    let mask = u32::MAX.checked_shl(32 - prefix).unwrap_or(0);
+    Some(std::net::Ipv4Addr::from((network & mask) + 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ipv4_gateway;
+
+    #[test]
+    fn the_gateway_is_the_one_docker_reports_else_the_subnets_first_host() {
+        let cases: [(Option<&str>, Option<&str>, Option<&str>); 8] = [
+            (Some("10.213.7.1"), Some("10.213.7.0/24"), Some("10.213.7.1")),
+            (Some("10.213.7.254"), Some("10.213.7.0/24"), Some("10.213.7.254")),
+            // A fresh default bridge: no gateway in the network's IPAM.
+            (None, Some("172.17.0.0/16"), Some("172.17.0.1")),
+            (None, Some("172.18.5.0/24"), Some("172.18.5.1")),
+            // An IPv6 gateway is not one the environments' IPv4 reaches.
+            (Some("fd00::1"), Some("172.19.0.0/16"), Some("172.19.0.1")),
+            (None, Some("fd00::/64"), None),
+            (None, Some("10.0.0.0/31"), None),
+            (None, None, None),
+        ];
+        for (gateway, subnet, expected) in cases {
+            let expected = expected.map(|e| e.parse().unwrap());
+            assert_eq!(ipv4_gateway(gateway, subnet), expected, "{gateway:?} {subnet:?}");
         }
     }
 }
