@@ -389,8 +389,9 @@ async fn standing(gitea: &FakeGitea, store: &JetStream) -> Result<BTreeMap<i64, 
 }
 
 /// Waits until every job was handed out and every task is finished or stays without a
-/// record for 3 s; returns the tasks that did not finish within [`SETTLE`] and those lost.
-async fn settle(gitea: &FakeGitea, store: &JetStream) -> (Vec<i64>, Vec<i64>) {
+/// record for 3 s; returns the tasks that did not finish within [`SETTLE`], those lost,
+/// and how many jobs were still waiting in Gitea then (never fetched).
+async fn settle(gitea: &FakeGitea, store: &JetStream) -> (Vec<i64>, Vec<i64>, usize) {
     let deadline = Instant::now() + SETTLE;
     let mut quiet_since: Option<Instant> = None;
     loop {
@@ -402,18 +403,15 @@ async fn settle(gitea: &FakeGitea, store: &JetStream) -> (Vec<i64>, Vec<i64>) {
             if waiting == 0 && open.is_empty() {
                 let since = *quiet_since.get_or_insert_with(Instant::now);
                 if no_record.is_empty() || since.elapsed() > Duration::from_secs(3) {
-                    return (Vec::new(), no_record);
+                    return (Vec::new(), no_record, 0);
                 }
             } else {
                 quiet_since = None;
             }
             if Instant::now() > deadline {
                 let mut unfinished = open;
-                if waiting > 0 {
-                    eprintln!("{waiting} jobs were never fetched from Gitea");
-                }
                 unfinished.extend(no_record.iter().copied());
-                return (unfinished, Vec::new());
+                return (unfinished, Vec::new(), waiting);
             }
         } else if Instant::now() > deadline {
             panic!("the store did not answer within {SETTLE:?}: {now:?}");
@@ -435,6 +433,8 @@ struct Tally {
     lost: Vec<(i64, Kill)>,
     run_twice: Vec<(i64, Vec<String>)>,
     unfinished: Vec<i64>,
+    /// Jobs still waiting in Gitea when a settle gave up: the controllers stopped fetching.
+    never_fetched: usize,
     failed_without_reason: Vec<i64>,
     unexpected_exits: Vec<String>,
     leaked: Vec<String>,
@@ -445,6 +445,7 @@ impl Tally {
     fn violations(&self) -> usize {
         self.run_twice.len()
             + self.unfinished.len()
+            + self.never_fetched
             + self.failed_without_reason.len()
             + self.unexpected_exits.len()
             + self.leaked.len()
@@ -470,6 +471,7 @@ impl Tally {
         out += &row("lost in the fetch→persist window", format!("{} {:?}", self.lost.len(), self.lost));
         out += &row("run-once violations", format!("{} {:?}", self.run_twice.len(), self.run_twice));
         out += &row("unfinished", format!("{} {:?}", self.unfinished.len(), self.unfinished));
+        out += &row("never fetched from Gitea", self.never_fetched.to_string());
         out += &row("failed without a reason", format!("{} {:?}", self.failed_without_reason.len(), self.failed_without_reason));
         out += &row("controllers that exited on their own", format!("{} {:?}", self.unexpected_exits.len(), self.unexpected_exits));
         out += &row("leaked environments", format!("{} {:?}", self.leaked.len(), self.leaked));
@@ -659,7 +661,8 @@ async fn campaign(iterations: usize) {
         if !hit {
             *tally.missed.entry(kind).or_default() += 1;
         }
-        let (unfinished, lost) = settle(&rig.gitea, &rig.store).await;
+        let (unfinished, lost, never_fetched) = settle(&rig.gitea, &rig.store).await;
+        tally.never_fetched += never_fetched;
         for id in &lost {
             tally.lost.push((*id, kind));
         }
@@ -687,8 +690,10 @@ async fn campaign(iterations: usize) {
         );
     }
     rig.finish(&mut tally).await;
-    assert_eq!(tally.tasks, iterations * JOBS_PER_ITERATION, "every job was handed out once");
+    // The verdict first: it keeps the logs when a job was never fetched.
+    let tasks = tally.tasks;
     rig.verdict(&tally, seed, started.elapsed());
+    assert_eq!(tasks, iterations * JOBS_PER_ITERATION, "every job was handed out once");
 }
 
 async fn ready(metrics: &str) -> Option<bool> {
@@ -750,13 +755,15 @@ async fn a_30_s_outage_of_every_nats_node_loses_nothing() {
     eprintln!("outage: not-ready noticed after {noticed:?}; ready again {recovered:?} after the cluster was back");
 
     let mut tally = Tally { driver: "test driver", iterations: 1, ..Tally::default() };
-    let (unfinished, lost) = settle(&rig.gitea, &rig.store).await;
+    let (unfinished, lost, never_fetched) = settle(&rig.gitea, &rig.store).await;
     tally.unfinished = unfinished;
+    tally.never_fetched = never_fetched;
     // No controller died: nothing may be lost.
     tally.unfinished.extend(lost);
     rig.restart_exited(&mut tally, 0);
     rig.finish(&mut tally).await;
-    assert_eq!(tally.tasks, 12, "every job was handed out once");
-    assert_eq!(tally.succeeded, 12, "every job succeeded");
+    let (tasks, succeeded) = (tally.tasks, tally.succeeded);
     rig.verdict(&tally, 7, started.elapsed());
+    assert_eq!(tasks, 12, "every job was handed out once");
+    assert_eq!(succeeded, 12, "every job succeeded");
 }

@@ -78,7 +78,8 @@ pub struct Scheduler {
     store: Arc<dyn Store>,
     placements: Placements,
     config: SchedulerConfig,
-    /// The highest tasks_version seen, shared by this registration's loops (as gitea-runner's poller does).
+    /// The tasks_version this registration's loops send, shared as gitea-runner's poller
+    /// shares it (see [`note_reply`]).
     tasks_version: AtomicI64,
     observer: Option<tokio::sync::mpsc::UnboundedSender<Outcome>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
@@ -334,12 +335,10 @@ impl Scheduler {
                 Ok(response) => {
                     failures = 0;
                     retry.reset();
-                    self.tasks_version.fetch_max(response.tasks_version, Ordering::SeqCst);
+                    note_reply(&self.tasks_version, version, response.tasks_version, response.task.is_some());
                     match response.task {
                         Some(task) => {
                             crate::failpoint::hit("after-fetch");
-                            // Like gitea-runner: after a task, ask again for real next time.
-                            self.tasks_version.store(0, Ordering::SeqCst);
                             pace.reset();
                             self.handle(task, ticket, &shutdown).await;
                         }
@@ -523,7 +522,58 @@ async fn sleep_or_stop(delay: Duration, shutdown: &CancellationToken) {
     }
 }
 
+/// What a FetchTask reply does to the tasks_version the loops share. Gitea answers a
+/// fetch that sends its latest version with "no task" without looking at the queue, so a
+/// version may only stand for "nothing waiting that we have not been offered". As
+/// gitea-runner's poller (v3.3.0, `internal/app/poll/poller.go`): after a task the next
+/// fetch sends 0 (more may be waiting), and a reply moves the version on only from the
+/// one its fetch sent — a reply to a fetch sent before another loop's task must not undo
+/// that loop's reset, or the backlog would wait in Gitea until a new job changed its
+/// version (the chaos test saw two jobs never fetched).
+fn note_reply(shared: &AtomicI64, sent: i64, replied: i64, got_task: bool) {
+    if got_task {
+        shared.store(0, Ordering::SeqCst);
+    } else if replied > sent {
+        let _ = shared.compare_exchange(sent, replied, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
 /// Retrying a failed FetchTask or persist: 200 ms doubling to 10 s.
 fn retry_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(200), Duration::from_secs(10))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Replies applied in the order they arrive, from loops that read the shared version
+    /// at different moments: (version sent, version replied, task) → the shared version.
+    #[test]
+    fn a_stale_reply_never_hides_the_backlog() {
+        type Reply = (i64, i64, bool);
+        let cases: [(&str, &[Reply], i64); 6] = [
+            ("an empty reply records Gitea's version", &[(0, 7, false)], 7),
+            ("after a task the next fetch looks again", &[(0, 7, true)], 0),
+            // Loop Z read 7 and sent it while loop X's fetch brought a task; X reset the
+            // version. Gitea did not look for Z (7 is its latest): Z's "no task" says
+            // nothing, and keeping 7 would hide the jobs still waiting behind X's task
+            // until a new job changed Gitea's version. The old rule (the highest version
+            // seen) kept 7.
+            ("a reply Gitea gave without looking, after another loop's task", &[(0, 7, true), (7, 7, false)], 0),
+            // Gitea looked for Z and found nothing at 9, but X's reset came first: one
+            // more look than needed, never a hidden job.
+            ("a reply to a fetch sent before another loop's reset", &[(0, 9, true), (7, 9, false)], 0),
+            // Both sent 0: X took the last job, Z found none left: nothing waits at 9.
+            ("two fetches from 0, one task and one empty", &[(0, 9, true), (0, 9, false)], 9),
+            ("a reply older than the version held does not move it back", &[(0, 9, false), (0, 5, false)], 9),
+        ];
+        for (name, replies, expected) in cases {
+            let shared = AtomicI64::new(0);
+            for &(sent, replied, task) in replies {
+                note_reply(&shared, sent, replied, task);
+            }
+            assert_eq!(shared.load(Ordering::SeqCst), expected, "{name}");
+        }
+    }
 }
