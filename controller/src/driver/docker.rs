@@ -475,11 +475,12 @@ fn ipv4_gateway(gateway: Option<&str>, subnet: Option<&str>) -> Option<std::net:
     if let Some(gateway) = gateway.and_then(|g| g.parse::<std::net::Ipv4Addr>().ok()) {
         return Some(gateway);
     }
-    let (network, prefix) = subnet?.split_once('/')?;
-    let network = u32::from(network.parse::<std::net::Ipv4Addr>().ok()?);
-    let prefix: u32 = prefix.parse().ok().filter(|p| *p <= 30)?;
-    let mask = u32::MAX.checked_shl(32 - prefix).unwrap_or(0);
-    Some(std::net::Ipv4Addr::from((network & mask) + 1))
+    let subnet: ipnet::Ipv4Net = subnet?.parse().ok()?;
+    // A /31 or /32 has no room for a bridge beside its containers.
+    if subnet.prefix_len() > 30 {
+        return None;
+    }
+    subnet.hosts().next()
 }
 
 #[cfg(test)]
