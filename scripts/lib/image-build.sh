@@ -147,7 +147,11 @@ stop_dockerd() {
 try_dockerd() { # DRIVER DATA_ROOT: start dockerd; 0 once it answers /_ping, 1 (and stopped) if not
   local driver=$1 data=$2 sock=$dockerd_dir/docker.sock i
   mkdir -p "$data" "$dockerd_dir/exec"
-  dockerd --data-root "$data" --exec-root "$dockerd_dir/exec" \
+  # In a network namespace of its own (loopback up): a dockerd with `--bridge none` in the
+  # host's namespace deletes the host's docker0, cutting a running Docker engine's
+  # containers (run-local's, a controller's) off the network. The build needs no network.
+  unshare --net sh -c 'ip link set lo up && exec dockerd "$@"' dockerd \
+    --data-root "$data" --exec-root "$dockerd_dir/exec" \
     --pidfile "$dockerd_dir/docker.pid" --host "unix://$sock" \
     --storage-driver "$driver" --bridge none --iptables=false --ip-masq=false \
     --containerd-namespace "gdr-build-$$" --containerd-plugins-namespace "gdr-build-$$-plugins" \
