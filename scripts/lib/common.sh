@@ -7,3 +7,8 @@ die() { echo "$me: error: $*" >&2; exit 1; }
 note() { echo "$me: $*" >&2; }
 step() { echo "==> $*"; }
 export PEERS_CACHE=${PEERS_CACHE:-$HOME/.cache/gitea-dynamic-runner/peers}
+# Where rustup puts cargo when no login shell has sourced its env file (a fresh machine
+# right after scripts/install-job-deps installed it, or a CI step).
+if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH=$HOME/.cargo/bin:$PATH
+fi

@@ -3,13 +3,20 @@
 # lib/common.sh): pinned Debian packages and the peers built from pinned upstream sources.
 
 # install_debs NAME=VERSION…: installs what is missing or at another version, then prints
-# each as a "peer deb" line.
+# each as a "peer deb" line. A bare NAME takes the version the machine has or the mirror
+# offers: for packages that must match the installed libc (libc6-dev), which security
+# updates move on.
 install_debs() {
   local spec name want have missing=()
   for spec in "$@"; do
     name=${spec%%=*} want=${spec#*=}
-    have=$(dpkg-query -W -f='${Version}' "$name" 2>/dev/null || true)
-    [ "$have" = "$want" ] || missing+=("$spec")
+    [[ $spec == *=* ]] || want=
+    have=$(dpkg-query -W -f='${db:Status-Status} ${Version}' "$name" 2>/dev/null || true)
+    if [ -n "$want" ]; then
+      [ "$have" = "installed $want" ] || missing+=("$spec")
+    else
+      [[ $have == "installed "* ]] || missing+=("$spec")
+    fi
   done
   if [ ${#missing[@]} -gt 0 ]; then
     [ "$(id -u)" = 0 ] || die "need root to apt-get install ${missing[*]}"
@@ -35,7 +42,7 @@ build_peer() {
     [ -n "$peers_build" ] && break
     [ -x "$candidate" ] && peers_build=$candidate
   done
-  { [ -n "$peers_build" ] && [ -x "$peers_build" ]; } || die "the test-peer builder (shared/peers/build) is not beside the repository nor at /work/shared: set PEERS_BUILD"
+  { [ -n "$peers_build" ] && [ -x "$peers_build" ]; } || die "the test-peer builder (shared/peers/build) is not beside the repository nor at /work/shared: set PEERS_BUILD (for gitea-runner alone, RUNNER_BIN=a binary from Gitea's releases skips the build)"
   for peer in "$@"; do
     line=$("$peers_build" "$peer" | tail -n 1) || die "building $peer failed"
     echo "$line"

@@ -32,10 +32,18 @@ pub fn static_controller() -> PathBuf {
     path
 }
 
+/// Names a `docker save` tar of a runner image built elsewhere — a published one
+/// (`scripts/smoke-image`): the tests that ask for the gitea-runner variant then run
+/// exactly that image instead of building one.
+pub const RUNNER_IMAGE_TAR_ENV: &str = "GDR_RUNNER_IMAGE_TAR";
+
 /// The runner image of `variant` (`gitea-runner` or `act_runner`): its tag and the
 /// `docker save` tar, from `scripts/build-image` (cached by content, so this is quick
-/// when nothing changed).
+/// when nothing changed), or the one [`RUNNER_IMAGE_TAR_ENV`] names.
 pub fn image(variant: &str) -> (String, PathBuf) {
+    if let Some(tar) = std::env::var_os(RUNNER_IMAGE_TAR_ENV).filter(|_| variant == "gitea-runner") {
+        return saved_image(PathBuf::from(tar));
+    }
     let output = Command::new(repository().join("scripts/build-image"))
         .args(["--variant", variant])
         .env("SUPERVISOR_BIN", supervisor())
@@ -48,6 +56,24 @@ pub fn image(variant: &str) -> (String, PathBuf) {
     let mut words = line.split_whitespace().skip(1);
     let tag = words.next().unwrap().to_owned();
     let tar = PathBuf::from(words.next().unwrap());
+    (tag, tar)
+}
+
+/// The tag a `docker save` tar was saved under (its manifest's first `RepoTags`), and the tar.
+fn saved_image(tar: PathBuf) -> (String, PathBuf) {
+    let output = Command::new("tar").arg("-xOf").arg(&tar).arg("manifest.json").output().expect("tar cannot run");
+    assert!(
+        output.status.success(),
+        "{RUNNER_IMAGE_TAR_ENV}={}: no manifest.json in it — is it a `docker save` tar? {}",
+        tar.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{RUNNER_IMAGE_TAR_ENV}={}: manifest.json: {e}", tar.display()));
+    let tag = manifest[0]["RepoTags"][0]
+        .as_str()
+        .unwrap_or_else(|| panic!("{RUNNER_IMAGE_TAR_ENV}={}: the image has no tag: save it by name (docker save IMAGE:TAG)", tar.display()))
+        .to_owned();
     (tag, tar)
 }
 

@@ -4,7 +4,8 @@
 //! of several jobs runs in `needs` order with outputs, matrix, `if:`, inputs and files of
 //! secrets, vars and env, checking out the local repository (served by run-local) and
 //! using a local and a mapped action; Ctrl-C cancels the job (exit 130) and removes its
-//! environment.
+//! environment; a step runs a command as root in its own environment
+//! (`scripts/as-environment-root`, as the release workflow does).
 
 #![allow(clippy::unwrap_used)]
 
@@ -26,6 +27,14 @@ fn run_local(workflow: &std::path::Path, image: &str) -> tokio::process::Command
         .stdin(Stdio::null())
         .kill_on_drop(true);
     command
+}
+
+/// Makes `dir` a git repository with everything in it committed (the state run-local serves).
+fn commit_all(dir: &std::path::Path) {
+    for args in ["init -q -b main .", "add -A", "commit -q -m first"] {
+        let status = std::process::Command::new("sh").arg("-c").arg(format!("git -c user.name=t -c user.email=t@t {args}")).current_dir(dir).status().unwrap();
+        assert!(status.success(), "git {args}");
+    }
 }
 
 fn local_environments() -> Vec<String> {
@@ -171,14 +180,7 @@ jobs:
         "inputs:\n  who: {required: true}\noutputs:\n  greeting: {value: \"${{ steps.say.outputs.greeting }}\"}\nruns:\n  using: composite\n  steps:\n    - id: say\n      shell: bash\n      run: echo \"greeting=composite greets ${{ inputs.who }}\" >> \"$GITHUB_OUTPUT\"\n",
     );
     file("state.txt", "committed\n");
-    let git = |args: &str| {
-        let status =
-            std::process::Command::new("sh").arg("-c").arg(format!("git -c user.name=t -c user.email=t@t {args}")).current_dir(dir.path()).status().unwrap();
-        assert!(status.success(), "git {args}");
-    };
-    git("init -q -b main .");
-    git("add -A");
-    git("commit -q -m first");
+    commit_all(dir.path());
     file("state.txt", "uncommitted\n");
     let action = tempfile::tempdir().unwrap();
     std::fs::write(
@@ -259,6 +261,65 @@ jobs:
     assert_eq!(output.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
     assert!(stdout.lines().any(|l| l.starts_with("checked out: committed,")), "{stdout}");
     assert!(stdout.contains("greets arm64]") && !stdout.contains("greets amd64"), "the matrix filter did not keep arm64 alone:\n{stdout}");
+    testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
+}
+
+/// `scripts/as-environment-root`, as the release workflow's build steps use it: from a step
+/// (uid 2000) in a real environment with a job-local dockerd, the command runs as root in
+/// that environment itself — its PID 1 is the supervisor, the step's directory and exported
+/// variables came along, what it writes the step sees, what it left in the workspace is the
+/// runner user's again (or the runner could not clean up) — and its exit code is the step's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_runs_a_command_as_root_in_its_own_environment_through_the_job_dockerd() {
+    let _turn = e2e::exclusive().await;
+    let image = host().image("gitea-runner");
+    let dir = tempfile::tempdir().unwrap();
+    for script in ["scripts/as-environment-root", "scripts/lib/common.sh"] {
+        let to = dir.path().join(script);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(paths::repository().join(script), &to).unwrap();
+    }
+    let workflow = dir.path().join(".gitea/workflows/root.yml");
+    std::fs::create_dir_all(workflow.parent().unwrap()).unwrap();
+    std::fs::write(
+        &workflow,
+        r#"on: push
+jobs:
+  root:
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: git clone -q "$GITHUB_SERVER_URL/$GITHUB_REPOSITORY" .
+      - run: |
+          echo "step uid $(id -u)"
+          export FROM_STEP="kept 'quoted' value"
+          scripts/as-environment-root bash -c 'echo "root uid $(id -u) pid1 $(cat /proc/1/comm) in $PWD from-step $FROM_STEP"; touch /etc/written-by-root; mkdir -p out; touch out/built'
+          [ -e /etc/written-by-root ] && echo "the step sees what root wrote"
+          echo "the workspace's new files are uid $(stat -c %u out out/built | sort -u)"
+          status=0; scripts/as-environment-root sh -c 'exit 7' || status=$?
+          echo "exit code $status"
+          echo "workspace $PWD"
+"#,
+    )
+    .unwrap();
+    commit_all(dir.path());
+    let output = tokio::time::timeout(Duration::from_secs(240), run_local(&workflow, &image).output()).await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let workspace = stdout
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("workspace /"))
+        .map(|path| format!("/{path}"))
+        .unwrap_or_else(|| panic!("no workspace line:\n{stdout}"));
+    for want in [
+        "step uid 2000".to_owned(),
+        format!("root uid 0 pid1 supervisor in {workspace} from-step kept 'quoted' value"),
+        "the step sees what root wrote".to_owned(),
+        "the workspace's new files are uid 2000".to_owned(),
+        "exit code 7".to_owned(),
+    ] {
+        assert!(stdout.lines().any(|l| l.ends_with(&want)), "{want:?} missing:\n{stdout}");
+    }
     testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
 }
 
