@@ -38,34 +38,34 @@ async fn source(api: &FakeWorkloadApi) -> spiffe::X509Source {
     tokio::time::timeout(Duration::from_secs(20), spiffe::X509Source::builder().endpoint(api.endpoint()).build()).await.unwrap().unwrap()
 }
 
-async fn client(source: spiffe::X509Source, address: std::net::SocketAddr) -> Result<FacadeServiceClient<tonic::transport::Channel>, tonic::transport::Error> {
+/// Connects on the first call, as the supervisor's facade client does, so that a failed
+/// handshake is a failed call that [`claim_retrying`] retries.
+fn client(source: spiffe::X509Source, address: std::net::SocketAddr) -> FacadeServiceClient<tonic::transport::Channel> {
     let authorizer = spiffe_rustls::authorizer::exact([FACADE_ID]).unwrap();
     let config = Arc::new(spiffe_rustls::mtls_client(source).authorize(authorizer).with_alpn_protocols([b"h2"]).build().unwrap());
-    let channel = tonic::transport::Endpoint::try_from("http://facade.local")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_| {
-            let config = Arc::clone(&config);
-            async move {
-                let tcp = tokio::net::TcpStream::connect(address).await?;
-                let name = rustls::pki_types::ServerName::try_from("facade.local").unwrap();
-                let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
-            }
-        }))
-        .await?;
-    Ok(FacadeServiceClient::new(channel))
+    let channel = tonic::transport::Endpoint::try_from("http://facade.local").unwrap().connect_with_connector_lazy(tower::service_fn(move |_| {
+        let config = Arc::clone(&config);
+        async move {
+            let tcp = tokio::net::TcpStream::connect(address).await?;
+            let name = rustls::pki_types::ServerName::try_from("facade.local").unwrap();
+            let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+        }
+    }));
+    FacadeServiceClient::new(channel)
 }
 
 /// A handshake can fail while the client's SVID source applies an update (spiffe-rustls
-/// refuses to present material older than its source's revision); callers retry
-/// transport errors, and so does this test.
+/// refuses to present material older than its source's revision: `PendingRevision`, which
+/// CI once saw on the first connection); the supervisor retries a call that failed to
+/// connect (Unavailable, or Unknown "transport error"), and so does this test.
 async fn claim_retrying(
     client: &mut FacadeServiceClient<tonic::transport::Channel>,
     request: &ClaimRequest,
 ) -> Result<tonic::Response<proto::facade::v1::ClaimResponse>, tonic::Status> {
     for _ in 0..20 {
         match client.claim(request.clone()).await {
-            Err(status) if status.code() == tonic::Code::Unknown && status.message() == "transport error" => {
+            Err(status) if status.code() == tonic::Code::Unavailable || (status.code() == tonic::Code::Unknown && status.message() == "transport error") => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             other => return other,
@@ -104,12 +104,12 @@ async fn only_the_jobs_own_svid_may_claim() {
 
     let request =
         ClaimRequest { credential: Some(AssignmentCredential { assignment_id: assignment.id.clone(), capability }), holder: "holder-0123456789abcdef".into() };
-    let mut intruder = client(source(&intruder_api).await, address).await.unwrap();
+    let mut intruder = client(source(&intruder_api).await, address);
     let status = claim_retrying(&mut intruder, &request).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status}");
     assert!(status.message().contains("other-repo"), "{status}");
 
-    let mut job = client(source(&job_api).await, address).await.unwrap();
+    let mut job = client(source(&job_api).await, address);
     let claimed = claim_retrying(&mut job, &request).await.unwrap().into_inner();
     assert_eq!(claimed.task.unwrap().id, 77);
 
