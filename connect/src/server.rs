@@ -182,27 +182,81 @@ impl Router {
         }
     }
 
+    /// One call, in the order connect-go checks it: the procedure and the method, the
+    /// headers, the body (within the call's deadline, with the handler), the answer.
     async fn dispatch<B>(&self, request: http::Request<B>, peer: Option<SocketAddr>) -> Result<http::Response<Full<Bytes>>, Rejection>
     where
         B: hyper::body::Body<Data = Bytes> + Send,
         B::Error: std::error::Error + Send + Sync + 'static,
     {
-        let path = request.uri().path();
+        let handler = self.route(request.method(), request.uri().path())?;
+        let limit = self.max_request_bytes;
+        let call = CallHeaders::read(request.headers(), limit)?;
+        let (parts, body) = request.into_parts();
+        let pool = self.pool.clone();
+        let work = async move {
+            let body = read_body(body, call.gzipped, limit).await?;
+            handler(RawRequest { body, codec: call.codec, headers: parts.headers, deadline: call.deadline, peer }, pool).await
+        };
+        let outcome = match call.deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, work)
+                .await
+                .unwrap_or_else(|_| Err(ConnectError::deadline_exceeded("the call's Connect-Timeout-Ms deadline passed"))),
+            None => work.await,
+        };
+        let (body, extra_headers) = outcome.map_err(Rejection::from)?;
+        self.respond(&call, body, &extra_headers)
+    }
+
+    /// The handler of the procedure at `path`, which only answers POST.
+    fn route(&self, method: &Method, path: &str) -> Result<Arc<RawHandler>, Rejection> {
         let handler = path
             .strip_prefix(self.prefix.as_str())
             .and_then(|procedure| self.routes.get(procedure))
             .cloned()
             .ok_or_else(|| Rejection::new(StatusCode::NOT_FOUND, ConnectError::new(Code::Unimplemented, format!("no procedure at {path}"))))?;
-
-        if request.method() != Method::POST {
+        if method != Method::POST {
             return Err(Rejection::new(
                 StatusCode::METHOD_NOT_ALLOWED,
-                ConnectError::new(Code::Unimplemented, format!("HTTP method {} is not supported: Connect unary calls use POST", request.method())),
+                ConnectError::new(Code::Unimplemented, format!("HTTP method {method} is not supported: Connect unary calls use POST")),
             )
             .with_header(header::ALLOW, HeaderValue::from_static("POST")));
         }
+        Ok(handler)
+    }
 
-        let headers = request.headers();
+    /// The answer: the handler's message in the call's codec, gzipped when the client
+    /// takes gzip and it is large enough, with the handler's headers added.
+    fn respond(&self, call: &CallHeaders, body: Bytes, extra_headers: &HeaderMap) -> Result<http::Response<Full<Bytes>>, Rejection> {
+        let mut response = http::Response::builder().status(StatusCode::OK).header(header::CONTENT_TYPE, call.codec.content_type());
+        let body = if call.accepts_gzip && body.len() >= self.compress_min_bytes {
+            response = response.header(header::CONTENT_ENCODING, "gzip");
+            Bytes::from(protocol::gzip(&body))
+        } else {
+            body
+        };
+        let mut response = response.body(Full::new(body)).map_err(|error| Rejection::from(ConnectError::internal(error.to_string())))?;
+        for (name, value) in extra_headers {
+            response.headers_mut().append(name, value.clone());
+        }
+        Ok(response)
+    }
+}
+
+/// What a call's headers say, each checked as connect-go checks it.
+struct CallHeaders {
+    codec: Codec,
+    /// From `Connect-Timeout-Ms`, counted from when the headers were read.
+    deadline: Option<Instant>,
+    /// The body is gzipped (`Content-Encoding`).
+    gzipped: bool,
+    /// The client takes a gzipped answer (`Accept-Encoding`).
+    accepts_gzip: bool,
+}
+
+impl CallHeaders {
+    /// The headers of a call whose body may be at most `limit` bytes.
+    fn read(headers: &HeaderMap, limit: usize) -> Result<Self, Rejection> {
         let content_type = header_str(headers, header::CONTENT_TYPE.as_str()).unwrap_or("");
         let codec = Codec::from_content_type(content_type).ok_or_else(|| {
             Rejection::new(
@@ -235,59 +289,43 @@ impl Router {
             }
         };
         let accepts_gzip = header_str(headers, header::ACCEPT_ENCODING.as_str()).is_some_and(protocol::accepts_gzip);
-        let too_large = |limit: usize| ConnectError::new(Code::ResourceExhausted, format!("request body is larger than the limit of {limit} bytes"));
-        let limit = self.max_request_bytes;
         if let Some(length) = header_str(headers, header::CONTENT_LENGTH.as_str()).and_then(|v| v.parse::<u64>().ok())
             && length > u64::try_from(limit).unwrap_or(u64::MAX)
         {
             return Err(Rejection::from(too_large(limit)));
         }
-
-        let (parts, body) = request.into_parts();
-        let pool = self.pool.clone();
-        let work = async move {
-            let body = Limited::new(body, limit)
-                .collect()
-                .await
-                .map_err(|error| {
-                    if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-                        too_large(limit)
-                    } else {
-                        ConnectError::new(Code::Canceled, format!("cannot read the request body: {error}"))
-                    }
-                })?
-                .to_bytes();
-            let body = if gzipped {
-                Bytes::from(protocol::gunzip(&body, limit).map_err(|error| match error {
-                    protocol::GunzipError::TooLarge { .. } => too_large(limit),
-                    protocol::GunzipError::Invalid(_) => ConnectError::invalid_argument(format!("cannot decompress the request body: {}", error_chain(&error))),
-                })?)
-            } else {
-                body
-            };
-            handler(RawRequest { body, codec, headers: parts.headers, deadline, peer }, pool).await
-        };
-        let outcome = match deadline {
-            Some(deadline) => tokio::time::timeout_at(deadline, work)
-                .await
-                .unwrap_or_else(|_| Err(ConnectError::deadline_exceeded("the call's Connect-Timeout-Ms deadline passed"))),
-            None => work.await,
-        };
-        let (body, extra_headers) = outcome.map_err(Rejection::from)?;
-
-        let mut response = http::Response::builder().status(StatusCode::OK).header(header::CONTENT_TYPE, codec.content_type());
-        let body = if accepts_gzip && body.len() >= self.compress_min_bytes {
-            response = response.header(header::CONTENT_ENCODING, "gzip");
-            Bytes::from(protocol::gzip(&body))
-        } else {
-            body
-        };
-        let mut response = response.body(Full::new(body)).map_err(|error| Rejection::from(ConnectError::internal(error.to_string())))?;
-        for (name, value) in &extra_headers {
-            response.headers_mut().append(name, value.clone());
-        }
-        Ok(response)
+        Ok(CallHeaders { codec, deadline, gzipped, accepts_gzip })
     }
+}
+
+/// The request body, at most `limit` bytes before and after decompression.
+async fn read_body<B>(body: B, gzipped: bool, limit: usize) -> Result<Bytes, ConnectError>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    let body = Limited::new(body, limit)
+        .collect()
+        .await
+        .map_err(|error| {
+            if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                too_large(limit)
+            } else {
+                ConnectError::new(Code::Canceled, format!("cannot read the request body: {error}"))
+            }
+        })?
+        .to_bytes();
+    if !gzipped {
+        return Ok(body);
+    }
+    protocol::gunzip(&body, limit).map(Bytes::from).map_err(|error| match error {
+        protocol::GunzipError::TooLarge { .. } => too_large(limit),
+        protocol::GunzipError::Invalid(_) => ConnectError::invalid_argument(format!("cannot decompress the request body: {}", error_chain(&error))),
+    })
+}
+
+fn too_large(limit: usize) -> ConnectError {
+    ConnectError::new(Code::ResourceExhausted, format!("request body is larger than the limit of {limit} bytes"))
 }
 
 struct Rejection {
