@@ -2,24 +2,24 @@
 
 use std::{os::unix::fs::FileTypeExt, path::Path, time::Duration};
 
-use super::{Outcome, Settings as Paths};
-use crate::pid1::{self, cgroup, dockerd, storage};
+use super::{Outcome, Settings};
+use crate::pid1::{self, cgroup};
 
-pub fn all(paths: &Paths) -> Vec<Outcome> {
-    let identity_socket = identity_socket(paths);
+pub fn all(settings: &Settings) -> Vec<Outcome> {
+    let identity_socket = identity_socket(settings);
     let socket_ok = identity_socket.status == super::Status::Pass;
     vec![
         pid_one(),
-        environment(paths),
+        environment(settings),
         identity_socket,
-        svid(paths, socket_ok),
-        cgroups(&paths.cgroup_root),
-        loop_devices(&paths.loop_control),
-        storage_check(paths),
-        dockerd_check(paths),
-        facade(paths),
-        runner(paths),
-        runner_file(paths),
+        svid(settings, socket_ok),
+        cgroups(&settings.cgroup_root),
+        loop_devices(&settings.loop_control),
+        storage(settings),
+        dockerd(settings),
+        facade(settings),
+        runner(settings),
+        runner_file(settings),
         zombies(),
     ]
 }
@@ -38,17 +38,17 @@ fn pid_one() -> Outcome {
     }
 }
 
-fn environment(paths: &Paths) -> Outcome {
+fn environment(settings: &Settings) -> Outcome {
     let mut missing = Vec::new();
-    if paths.identity {
-        if paths.spiffe_id.is_none() {
+    if settings.identity {
+        if settings.spiffe_id.is_none() {
             missing.push("CI_SPIFFE_ID");
         }
-        if paths.spiffe_endpoint.is_none() {
+        if settings.spiffe_endpoint.is_none() {
             missing.push("SPIFFE_ENDPOINT_SOCKET");
         }
     }
-    if paths.facade_url.is_some() && paths.assignment_id.is_none() {
+    if settings.facade_url.is_some() && settings.assignment_id.is_none() {
         missing.push("CI_ASSIGNMENT_ID");
     }
     if missing.is_empty() {
@@ -62,12 +62,12 @@ fn environment(paths: &Paths) -> Outcome {
     }
 }
 
-fn identity_socket(paths: &Paths) -> Outcome {
+fn identity_socket(settings: &Settings) -> Outcome {
     const ID: &str = "identity-socket";
-    if !paths.identity {
+    if !settings.identity {
         return Outcome::skip(ID, "identity is off (no CI_SPIFFE_ID, or SUPERVISOR_IDENTITY=false)");
     }
-    let Some(endpoint) = &paths.spiffe_endpoint else {
+    let Some(endpoint) = &settings.spiffe_endpoint else {
         return Outcome::fail(ID, "SPIFFE_ENDPOINT_SOCKET is not set", "set it to the SPIRE agent's socket, e.g. unix:///run/spire/agent/public/api.sock");
     };
     if let Err(reason) = crate::agent::identity::parse_workload_endpoint(endpoint) {
@@ -92,15 +92,15 @@ fn identity_socket(paths: &Paths) -> Outcome {
     }
 }
 
-fn svid(paths: &Paths, socket_ok: bool) -> Outcome {
+fn svid(settings: &Settings, socket_ok: bool) -> Outcome {
     const ID: &str = "svid";
-    if !paths.identity {
+    if !settings.identity {
         return Outcome::skip(ID, "identity is off");
     }
     if !socket_ok {
         return Outcome::skip(ID, "the Workload API socket is unreachable (see identity-socket)");
     }
-    let (Some(endpoint), Some(expected)) = (&paths.spiffe_endpoint, &paths.spiffe_id) else {
+    let (Some(endpoint), Some(expected)) = (&settings.spiffe_endpoint, &settings.spiffe_id) else {
         return Outcome::skip(ID, "CI_SPIFFE_ID is not set (see environment)");
     };
     let uid = nix::unistd::getuid();
@@ -171,7 +171,7 @@ fn loop_devices(loop_control: &Path) -> Outcome {
         Ok(meta) if !meta.file_type().is_char_device() => {
             Outcome::fail(ID, format!("{} is not a character device", loop_control.display()), "it must be c 10:237")
         }
-        Ok(_) => match storage::probe_loop_control(loop_control) {
+        Ok(_) => match pid1::storage::probe_loop_control(loop_control) {
             Ok(free) => Outcome::pass(ID, format!("{} answers; next free loop device /dev/loop{free}", loop_control.display())),
             Err(error) => Outcome::fail(
                 ID,
@@ -182,42 +182,42 @@ fn loop_devices(loop_control: &Path) -> Outcome {
     }
 }
 
-fn storage_check(paths: &Paths) -> Outcome {
+fn storage(settings: &Settings) -> Outcome {
     const ID: &str = "storage";
-    if !paths.docker {
+    if !settings.docker {
         return Outcome::skip(ID, "Docker is off (SUPERVISOR_DOCKER=false)");
     }
-    match storage::is_mountpoint(&paths.docker_data_root) {
+    match pid1::storage::is_mountpoint(&settings.docker_data_root) {
         Ok(Some(fstype)) if matches!(fstype.as_str(), "ext4" | "xfs" | "btrfs") => {
-            Outcome::pass(ID, format!("{} is a {fstype} mount", paths.docker_data_root.display()))
+            Outcome::pass(ID, format!("{} is a {fstype} mount", settings.docker_data_root.display()))
         }
         Ok(Some(fstype)) => Outcome::fail(
             ID,
-            format!("{} is a {fstype} mount: overlay2 does not work well on it", paths.docker_data_root.display()),
+            format!("{} is a {fstype} mount: overlay2 does not work well on it", settings.docker_data_root.display()),
             "let the supervisor create loop-backed ext4 (no volume at /var/lib/docker) or use an ext4/xfs volume",
         ),
         Ok(None) => Outcome::fail(
             ID,
-            format!("{} is not a mountpoint: dockerd would write to the container's root filesystem", paths.docker_data_root.display()),
+            format!("{} is not a mountpoint: dockerd would write to the container's root filesystem", settings.docker_data_root.display()),
             "the supervisor mounts loop-backed ext4 there at start; see the supervisor's log for the storage error",
         ),
         Err(error) => Outcome::fail(ID, format!("cannot read the mount table: {error}"), "is /proc mounted?"),
     }
 }
 
-fn dockerd_check(paths: &Paths) -> Outcome {
+fn dockerd(settings: &Settings) -> Outcome {
     const ID: &str = "dockerd";
-    if !paths.docker {
+    if !settings.docker {
         return Outcome::skip(ID, "Docker is off (SUPERVISOR_DOCKER=false)");
     }
-    match dockerd::ping(&paths.docker_socket, Duration::from_secs(2)) {
-        Ok(latency) => Outcome::pass(ID, format!("{} answered /_ping in {} ms", paths.docker_socket.display(), latency.as_millis())),
+    match pid1::dockerd::ping(&settings.docker_socket, Duration::from_secs(2)) {
+        Ok(latency) => Outcome::pass(ID, format!("{} answered /_ping in {} ms", settings.docker_socket.display(), latency.as_millis())),
         Err(error) => {
-            let tail = dockerd::log_tail(&paths.dockerd_log, 10);
+            let tail = pid1::dockerd::log_tail(&settings.dockerd_log, 10);
             let tail = if tail.is_empty() {
-                format!("{} is empty or missing", paths.dockerd_log.display())
+                format!("{} is empty or missing", settings.dockerd_log.display())
             } else {
-                format!("last lines of {}:\n{tail}", paths.dockerd_log.display())
+                format!("last lines of {}:\n{tail}", settings.dockerd_log.display())
             };
             Outcome::fail(
                 ID,
@@ -228,9 +228,9 @@ fn dockerd_check(paths: &Paths) -> Outcome {
     }
 }
 
-fn facade(paths: &Paths) -> Outcome {
+fn facade(settings: &Settings) -> Outcome {
     const ID: &str = "facade";
-    let Some(url) = &paths.facade_url else {
+    let Some(url) = &settings.facade_url else {
         return Outcome::skip(ID, "CI_RUNNER_FACADE_URL is not set (capability-only or local runs)");
     };
     let authority = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest).split('/').next().unwrap_or("");
@@ -256,11 +256,11 @@ fn facade(paths: &Paths) -> Outcome {
 /// environment: by the job-started hook (gitea-runner v3 and later, which read
 /// `runner.hooks.job_started`), or, for runners without hooks (act_runner, which ignores
 /// the key), by the supervisor holding the task back until dockerd's socket takes connections.
-pub(super) fn runner(paths: &Paths) -> Outcome {
+pub(super) fn runner(settings: &Settings) -> Outcome {
     const ID: &str = "runner";
-    let binary = which(&paths.runner);
+    let binary = which(&settings.runner);
     let Some(binary) = binary else {
-        return Outcome::fail(ID, format!("{} not found", paths.runner.display()), "the runner image must contain gitea-runner on PATH");
+        return Outcome::fail(ID, format!("{} not found", settings.runner.display()), "the runner image must contain gitea-runner on PATH");
     };
     let says = std::process::Command::new(&binary).arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
     let Some(version) = runner_version(&says) else {
@@ -276,21 +276,21 @@ pub(super) fn runner(paths: &Paths) -> Outcome {
     };
     let has_hooks = crate::agent::loopback::runner_has_hooks(version);
     let what = format!("{} {version}", binary.display());
-    match std::fs::read_to_string(&paths.runner_config) {
+    match std::fs::read_to_string(&settings.runner_config) {
         Err(error) => {
-            Outcome::fail(ID, format!("{what} found, but {}: {error}", paths.runner_config.display()), "the image must carry /etc/gitea-runner/config.yaml")
+            Outcome::fail(ID, format!("{what} found, but {}: {error}", settings.runner_config.display()), "the image must carry /etc/gitea-runner/config.yaml")
         }
         Ok(config) if has_hooks && !config.contains("job_started") => Outcome::fail(
             ID,
-            format!("{what} runs job hooks, but {} has no runner.hooks.job_started", paths.runner_config.display()),
+            format!("{what} runs job hooks, but {} has no runner.hooks.job_started", settings.runner_config.display()),
             "set runner.hooks.job_started to /usr/local/lib/gitea-dynamic-runner/job-started so steps wait for identity and dockerd",
         ),
-        Ok(_) if has_hooks => Outcome::pass(ID, format!("{what} with {} (job_started hook set)", paths.runner_config.display())),
+        Ok(_) if has_hooks => Outcome::pass(ID, format!("{what} with {} (job_started hook set)", settings.runner_config.display())),
         Ok(_) => Outcome::pass(
             ID,
             format!(
                 "{what} has no job hooks: the supervisor hands it the task only once dockerd's socket takes connections ({})",
-                paths.runner_config.display()
+                settings.runner_config.display()
             ),
         ),
     }
@@ -310,9 +310,9 @@ fn runner_version(says: &str) -> Option<&str> {
 /// `ephemeral`, which it does not know, and both write labels as `name:host`): pointing
 /// the runner at the loopback RunnerService, for this assignment, not persistent, readable
 /// by the runner user only.
-fn runner_file(paths: &Paths) -> Outcome {
+fn runner_file(settings: &Settings) -> Outcome {
     const ID: &str = "runner-file";
-    let path = paths.runner_dir.join(".runner");
+    let path = settings.runner_dir.join(".runner");
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
@@ -331,7 +331,7 @@ fn runner_file(paths: &Paths) -> Outcome {
     if value["ephemeral"] == false {
         problems.push("not ephemeral".to_owned());
     }
-    if let Some(expected) = &paths.assignment_id
+    if let Some(expected) = &settings.assignment_id
         && value["uuid"].as_str() != Some(expected.as_str())
     {
         problems.push(format!("uuid {} is not the assignment {expected}", value["uuid"]));
