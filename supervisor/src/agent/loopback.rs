@@ -155,10 +155,7 @@ pub struct Served {
     pub stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
-fn lock(progress: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
-    progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
+/// What the loopback learns from the runner while it serves the task.
 #[derive(Default)]
 struct Progress {
     /// The runner's version, from its Declare.
@@ -174,12 +171,9 @@ pub fn runner_has_hooks(version: &str) -> bool {
     version.split('.').next().and_then(|major| major.parse::<u32>().ok()).is_some_and(|major| major >= 3)
 }
 
-/// The router of the runner protocol.
+/// The router of the runner protocol: one method of [`Loopback`] per procedure.
 pub fn router(served: Served) -> Router {
-    let served = Arc::new(served);
-    let progress = Arc::new(Mutex::new(Progress::default()));
-    let (s1, s2, s3, s4) = (Arc::clone(&served), Arc::clone(&served), Arc::clone(&served), Arc::clone(&served));
-    let (p1, p2, p3, p4) = (Arc::clone(&progress), Arc::clone(&progress), Arc::clone(&progress), progress);
+    let loopback = Arc::new(Loopback { served, progress: Mutex::default() });
     Router::new(proto::descriptor_pool().clone())
         .with_prefix("/api/actions")
         .with_max_request_bytes(MAX_RUNNER_REQUEST_BYTES)
@@ -189,124 +183,160 @@ pub fn router(served: Served) -> Router {
         .unary("runner.v1.RunnerService/Register", |_: Request<RegisterRequest>| async move {
             Err::<Response<RegisterResponse>, _>(ConnectError::permission_denied("this runner is registered by its environment: nothing to register"))
         })
-        .unary("runner.v1.RunnerService/Declare", move |request: Request<DeclareRequest>| {
-            let (served, progress) = (Arc::clone(&s1), Arc::clone(&p1));
-            async move {
-                authenticate(&served.runner, &request)?;
-                tracing::info!(version = %request.message.version, labels = ?request.message.labels, "the runner declared itself");
-                lock(&progress).version = Some(request.message.version.clone());
-                let mut response = Response::new(DeclareResponse {
-                    runner: Some(Runner {
-                        uuid: served.runner.assignment_id.clone(),
-                        name: served.runner.assignment_id.clone(),
-                        version: request.message.version,
-                        labels: request.message.labels,
-                        ephemeral: true,
-                        ..Default::default()
-                    }),
-                });
-                if let Ok(value) = http::HeaderValue::from_str(&served.gitea_capabilities)
-                    && !served.gitea_capabilities.is_empty()
-                {
-                    response.headers.insert(proto::CAPABILITIES_HEADER, value);
-                }
-                Ok(response)
+        .unary("runner.v1.RunnerService/Declare", with(&loopback, Loopback::declare))
+        .unary("runner.v1.RunnerService/FetchTask", with(&loopback, Loopback::fetch_task))
+        .unary("runner.v1.RunnerService/UpdateTask", with(&loopback, Loopback::update_task))
+        .unary("runner.v1.RunnerService/UpdateLog", with(&loopback, Loopback::update_log))
+}
+
+/// A handler that calls `method` on the shared loopback.
+fn with<Req, Fut>(
+    loopback: &Arc<Loopback>,
+    method: impl Fn(Arc<Loopback>, Request<Req>) -> Fut + Send + Sync + 'static,
+) -> impl Fn(Request<Req>) -> Fut + Send + Sync + 'static {
+    let loopback = Arc::clone(loopback);
+    move |request| method(Arc::clone(&loopback), request)
+}
+
+/// The served task and what the runner did with it so far, shared by the procedures.
+struct Loopback {
+    served: Served,
+    progress: Mutex<Progress>,
+}
+
+impl Loopback {
+    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Declare: the runner as it declared itself, with the capabilities Gitea answered.
+    async fn declare(self: Arc<Self>, request: Request<DeclareRequest>) -> Result<Response<DeclareResponse>, ConnectError> {
+        let served = &self.served;
+        authenticate(&served.runner, &request)?;
+        tracing::info!(version = %request.message.version, labels = ?request.message.labels, "the runner declared itself");
+        self.progress().version = Some(request.message.version.clone());
+        let mut response = Response::new(DeclareResponse {
+            runner: Some(Runner {
+                uuid: served.runner.assignment_id.clone(),
+                name: served.runner.assignment_id.clone(),
+                version: request.message.version,
+                labels: request.message.labels,
+                ephemeral: true,
+                ..Default::default()
+            }),
+        });
+        if let Ok(value) = http::HeaderValue::from_str(&served.gitea_capabilities)
+            && !served.gitea_capabilities.is_empty()
+        {
+            response.headers.insert(proto::CAPABILITIES_HEADER, value);
+        }
+        Ok(response)
+    }
+
+    /// FetchTask: the task until the runner reports on it (a runner without hooks only
+    /// once its steps may run), then nothing.
+    async fn fetch_task(self: Arc<Self>, request: Request<FetchTaskRequest>) -> Result<Response<FetchTaskResponse>, ConnectError> {
+        let served = &self.served;
+        authenticate(&served.runner, &request)?;
+        let (reported, version) = {
+            let progress = self.progress();
+            (progress.reported, progress.version.clone())
+        };
+        let nothing = || Ok(Response::new(FetchTaskResponse { task: None, tasks_version: 1 }));
+        if reported {
+            return nothing();
+        }
+        if self.holds_back(version.as_deref()) && !self.steps_may_run_within(request.deadline).await {
+            tracing::info!("holding the task back until dockerd's socket takes connections (the runner has no job-started hook)");
+            return nothing();
+        }
+        let times = {
+            let mut progress = self.progress();
+            progress.handed_out += 1;
+            progress.handed_out
+        };
+        if times == 1 {
+            tracing::info!(task_id = served.task.id, "task handed to the runner");
+        } else {
+            tracing::warn!(task_id = served.task.id, times, "task handed to the runner again (it has not reported on it yet)");
+        }
+        Ok(Response::new(FetchTaskResponse { task: Some(served.task.clone()), tasks_version: 1 }))
+    }
+
+    /// Whether the task waits for the steps to be allowed to run: nothing else would
+    /// keep the first step of a runner without the job-started hook from starting.
+    fn holds_back(&self, version: Option<&str>) -> bool {
+        match self.served.hooks {
+            RunnerHooks::JobStarted => false,
+            RunnerHooks::None => true,
+            RunnerHooks::Auto => !version.is_some_and(runner_has_hooks),
+        }
+    }
+
+    /// Whether the steps may run, waiting for it until shortly before the fetch's
+    /// `deadline`, so the poll ends as "no task yet" rather than as a timeout.
+    async fn steps_may_run_within(&self, deadline: Option<tokio::time::Instant>) -> bool {
+        if *self.served.steps_may_run.borrow() {
+            return true;
+        }
+        let budget =
+            deadline.map_or(Duration::from_secs(4), |d| d.saturating_duration_since(tokio::time::Instant::now()).saturating_sub(Duration::from_millis(500)));
+        let mut ready = self.served.steps_may_run.clone();
+        let _ = tokio::time::timeout(budget, ready.wait_for(|ready| *ready)).await;
+        *ready.borrow()
+    }
+
+    /// UpdateTask: on to the facade in pieces; the last reply comes back.
+    async fn update_task(self: Arc<Self>, request: Request<UpdateTaskRequest>) -> Result<Response<UpdateTaskResponse>, ConnectError> {
+        let served = &self.served;
+        authenticate(&served.runner, &request)?;
+        if request.message.state.as_ref().is_some_and(|s| s.id == served.task.id) {
+            self.progress().reported = true;
+        }
+        let mut message = request.message;
+        // A runner told to stop mid-job reports an end of its own (gitea-runner
+        // v3.3.0 reports `success` for a job its shutdown cancelled). That end is
+        // not the job's: keep the steps' progress, leave the result to the
+        // controller, which fails the task with the reason once the environment
+        // has ended — one writer of the end, so nothing races it.
+        if served.stopping.load(std::sync::atomic::Ordering::SeqCst)
+            && let Some(state) = message.state.as_mut()
+            && state.result != proto::runner::v1::Result::Unspecified as i32
+        {
+            tracing::warn!(task_id = state.id, result = state.result, "the environment is stopping: the runner's own end of the job is not passed on");
+            state.result = proto::runner::v1::Result::Unspecified as i32;
+            state.stopped_at = None;
+        }
+        let mut last = None;
+        for piece in proto::pieces::task_pieces(&message, MAX_PIECE_BYTES) {
+            last = Some(served.upstream.update_task(piece).await?);
+        }
+        last.map(Response::new).ok_or_else(|| ConnectError::internal("nothing was sent"))
+    }
+
+    /// UpdateLog: on to the facade in pieces, until one is not fully acknowledged.
+    async fn update_log(self: Arc<Self>, request: Request<UpdateLogRequest>) -> Result<Response<UpdateLogResponse>, ConnectError> {
+        let served = &self.served;
+        authenticate(&served.runner, &request)?;
+        if request.message.task_id == served.task.id {
+            self.progress().reported = true;
+        }
+        let mut message = request.message;
+        cut_long_rows(&mut message);
+        // Stopping: the log stays open for the controller's reason (see update_task).
+        if served.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            message.no_more = false;
+        }
+        let mut last = UpdateLogResponse { ack_index: message.index };
+        for piece in proto::pieces::log_pieces(&message, MAX_PIECE_BYTES) {
+            let expected = piece.index + i64::try_from(piece.rows.len()).unwrap_or(i64::MAX);
+            last = served.upstream.update_log(piece).await?;
+            if last.ack_index < expected {
+                break;
             }
-        })
-        .unary("runner.v1.RunnerService/FetchTask", move |request: Request<FetchTaskRequest>| {
-            let (served, progress) = (Arc::clone(&s2), Arc::clone(&p2));
-            async move {
-                authenticate(&served.runner, &request)?;
-                let (reported, version) = {
-                    let progress = lock(&progress);
-                    (progress.reported, progress.version.clone())
-                };
-                if reported {
-                    return Ok(Response::new(FetchTaskResponse { task: None, tasks_version: 1 }));
-                }
-                let hold = match served.hooks {
-                    RunnerHooks::JobStarted => false,
-                    RunnerHooks::None => true,
-                    RunnerHooks::Auto => !version.as_deref().is_some_and(runner_has_hooks),
-                };
-                if hold && !*served.steps_may_run.borrow() {
-                    // Answer inside the runner's fetch deadline, so the poll ends as
-                    // "no task yet" rather than as a timeout.
-                    let budget = request.deadline.map_or(Duration::from_secs(4), |d| {
-                        d.saturating_duration_since(tokio::time::Instant::now()).saturating_sub(Duration::from_millis(500))
-                    });
-                    let mut ready = served.steps_may_run.clone();
-                    let _ = tokio::time::timeout(budget, ready.wait_for(|ready| *ready)).await;
-                    if !*ready.borrow() {
-                        tracing::info!("holding the task back until dockerd's socket takes connections (the runner has no job-started hook)");
-                        return Ok(Response::new(FetchTaskResponse { task: None, tasks_version: 1 }));
-                    }
-                }
-                let times = {
-                    let mut progress = lock(&progress);
-                    progress.handed_out += 1;
-                    progress.handed_out
-                };
-                if times == 1 {
-                    tracing::info!(task_id = served.task.id, "task handed to the runner");
-                } else {
-                    tracing::warn!(task_id = served.task.id, times, "task handed to the runner again (it has not reported on it yet)");
-                }
-                Ok(Response::new(FetchTaskResponse { task: Some(served.task.clone()), tasks_version: 1 }))
-            }
-        })
-        .unary("runner.v1.RunnerService/UpdateTask", move |request: Request<UpdateTaskRequest>| {
-            let (served, progress) = (Arc::clone(&s3), Arc::clone(&p3));
-            async move {
-                authenticate(&served.runner, &request)?;
-                if request.message.state.as_ref().is_some_and(|s| s.id == served.task.id) {
-                    lock(&progress).reported = true;
-                }
-                let mut message = request.message;
-                // A runner told to stop mid-job reports an end of its own (gitea-runner
-                // v3.3.0 reports `success` for a job its shutdown cancelled). That end is
-                // not the job's: keep the steps' progress, leave the result to the
-                // controller, which fails the task with the reason once the environment
-                // has ended — one writer of the end, so nothing races it.
-                if served.stopping.load(std::sync::atomic::Ordering::SeqCst)
-                    && let Some(state) = message.state.as_mut()
-                    && state.result != proto::runner::v1::Result::Unspecified as i32
-                {
-                    tracing::warn!(task_id = state.id, result = state.result, "the environment is stopping: the runner's own end of the job is not passed on");
-                    state.result = proto::runner::v1::Result::Unspecified as i32;
-                    state.stopped_at = None;
-                }
-                let mut last = None;
-                for piece in proto::pieces::task_pieces(&message, MAX_PIECE_BYTES) {
-                    last = Some(served.upstream.update_task(piece).await?);
-                }
-                last.map(Response::new).ok_or_else(|| ConnectError::internal("nothing was sent"))
-            }
-        })
-        .unary("runner.v1.RunnerService/UpdateLog", move |request: Request<UpdateLogRequest>| {
-            let (served, progress) = (Arc::clone(&s4), Arc::clone(&p4));
-            async move {
-                authenticate(&served.runner, &request)?;
-                if request.message.task_id == served.task.id {
-                    lock(&progress).reported = true;
-                }
-                let mut message = request.message;
-                cut_long_rows(&mut message);
-                // Stopping: the log stays open for the controller's reason (see UpdateTask).
-                if served.stopping.load(std::sync::atomic::Ordering::SeqCst) {
-                    message.no_more = false;
-                }
-                let mut last = UpdateLogResponse { ack_index: message.index };
-                for piece in proto::pieces::log_pieces(&message, MAX_PIECE_BYTES) {
-                    let expected = piece.index + i64::try_from(piece.rows.len()).unwrap_or(i64::MAX);
-                    last = served.upstream.update_log(piece).await?;
-                    if last.ack_index < expected {
-                        break;
-                    }
-                }
-                Ok(Response::new(last))
-            }
-        })
+        }
+        Ok(Response::new(last))
+    }
 }
 
 fn authenticate<M>(runner: &LocalRunner, request: &Request<M>) -> Result<(), ConnectError> {
