@@ -9,8 +9,6 @@ use super::AgentError;
 
 /// Environment variable that carries [`AgentConfig`] from PID 1.
 pub const CONFIG_ENV: &str = "SUPERVISOR_AGENT_CONFIG";
-/// The fd on which PID 1 writes one line about dockerd: `ready …` or `failed …`.
-pub const DOCKER_FD: i32 = 3;
 /// The capability comes from the environment the driver set (or from the file PID 1
 /// read and removed), and is not passed on to the job.
 pub const CAPABILITY_ENV: &str = contract::environment::CAPABILITY;
@@ -18,7 +16,7 @@ pub const CAPABILITY_ENV: &str = contract::environment::CAPABILITY;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AgentConfig {
     pub identity: Option<IdentitySettings>,
-    /// Whether PID 1 reports on dockerd through fd 3.
+    /// Whether PID 1 reports on dockerd (see [`super::docker_report`]).
     pub docker: bool,
     pub docker_host: Option<String>,
     pub socket: PathBuf,

@@ -4,7 +4,7 @@
 //! to Gitea in [`proxy`]), the readiness protocol ([`ready`]) and the job command with
 //! its signals ([`job`]); its settings are in [`config`], its failures and their exit
 //! codes in [`error`]. It never touches storage, cgroups or dockerd's process; it
-//! learns of dockerd through a pipe.
+//! learns of dockerd through a pipe ([`docker_report`]).
 //!
 //! It waits for the job's exact SVID (SPIRE attests the caller's uid, so this wait
 //! must run as uid 2000, never as root) and for PID 1's word that dockerd is ready,
@@ -16,6 +16,7 @@ use std::{path::Path, time::Duration};
 use tokio::sync::{mpsc, watch};
 
 pub mod config;
+pub mod docker_report;
 pub mod error;
 pub mod facade_client;
 pub mod identity;
@@ -24,7 +25,8 @@ pub mod loopback;
 pub mod proxy;
 pub mod ready;
 
-pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, DOCKER_FD, FacadeSettings, IdentitySettings};
+pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, FacadeSettings, IdentitySettings};
+pub use docker_report::DOCKER_FD;
 pub use error::AgentError;
 use job::Signals;
 use ready::{Readiness, Status};

@@ -1,7 +1,8 @@
 //! The readiness protocol between the agent and `supervisor job-started`: one JSON
 //! line each way over a unix socket owned by the runner uid. Both ends live here: the
 //! agent's server ([`bind`], [`serve`]), the hook's client ([`wait`]), and the reports
-//! from PID 1 about dockerd that feed the answer ([`read_docker_reports`]).
+//! from PID 1 about dockerd that feed the answer ([`read_docker_reports`]; the reports
+//! themselves are [`super::docker_report`]'s).
 //!
 //! request:  `{"wait_ms": 30000}` — answer when everything is ready, something failed,
 //!           or after `wait_ms`, whichever comes first;
@@ -21,7 +22,7 @@ use tokio::{
     sync::{mpsc, watch},
 };
 
-use super::config::DOCKER_FD;
+use super::docker_report::{DOCKER_FD, DockerReport};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", content = "detail", rename_all = "snake_case")]
@@ -221,7 +222,7 @@ pub fn read_docker_reports(mut report: impl FnMut(Status)) {
         let mut line = String::new();
         let status = match reader.read_line(&mut line) {
             Ok(0) => Status::Failed("PID 1 closed the dockerd report channel without a final word".into()),
-            Ok(_) => parse_docker_report(&line),
+            Ok(_) => docker_status(&line),
             Err(error) => Status::Failed(format!("reading PID 1's dockerd report failed: {error}")),
         };
         let last = status.is_final();
@@ -232,15 +233,14 @@ pub fn read_docker_reports(mut report: impl FnMut(Status)) {
     }
 }
 
-/// `listening <detail>` (dockerd starts behind its socket), then `ready <detail>` or
-/// `failed <detail>`.
-pub fn parse_docker_report(line: &str) -> Status {
-    let line = line.trim_end();
-    match line.split_once(' ').unwrap_or((line, "")) {
-        ("listening", detail) => Status::Starting(detail.to_owned()),
-        ("ready", detail) => Status::Ready(detail.to_owned()),
-        ("failed", detail) => Status::Failed(detail.to_owned()),
-        _ => Status::Failed(format!("unreadable dockerd report {line:?}")),
+/// What one of PID 1's report lines means for the job: a line that is no report
+/// fails dockerd's readiness, saying so.
+fn docker_status(line: &str) -> Status {
+    match DockerReport::parse(line) {
+        Ok(DockerReport::Listening(detail)) => Status::Starting(detail),
+        Ok(DockerReport::Ready(detail)) => Status::Ready(detail),
+        Ok(DockerReport::Failed(detail)) => Status::Failed(detail),
+        Err(unreadable) => Status::Failed(unreadable.to_string()),
     }
 }
 
@@ -284,7 +284,7 @@ mod tests {
             ("bogus\n", Status::Failed("unreadable dockerd report \"bogus\"".into())),
         ];
         for (line, want) in table {
-            assert_eq!(&parse_docker_report(line), want, "{line:?}");
+            assert_eq!(&docker_status(line), want, "{line:?}");
         }
     }
 }

@@ -17,7 +17,7 @@ use std::{
     io::Write,
     os::{
         fd::{AsRawFd, OwnedFd},
-        unix::fs::PermissionsExt,
+        unix::{fs::PermissionsExt, net::UnixListener},
     },
     path::PathBuf,
     process::{Command, ExitStatus, Stdio},
@@ -33,7 +33,7 @@ use super::{
     storage::{self, Prepared, StorageConfig},
 };
 use crate::{
-    agent::{self, AgentConfig, FacadeSettings, IdentitySettings},
+    agent::{self, AgentConfig, FacadeSettings, IdentitySettings, docker_report::DockerReport},
     cli::RunArgs,
     exit::{self, ChildStatus},
 };
@@ -67,7 +67,8 @@ struct Supervisor {
 /// Stop preparing: the agent ended or SIGTERM arrived.
 struct Interrupted;
 
-/// How starting the job's dockerd ended; PID 1 tells the agent each but the last.
+/// How starting the job's dockerd ended; each ends PID 1's reports to the agent (a
+/// [`DockerReport`]).
 enum DockerStart {
     /// `/_ping` answered: how soon, for the report.
     Ready(String),
@@ -106,34 +107,39 @@ impl Supervisor {
             Err(code) => return code,
         };
         if let Some(report) = report {
-            let mut pipe = fs::File::from(report);
-            if let Some(Ok(_)) = &socket {
-                let line = format!("listening {} takes connections; dockerd starts behind it\n", self.args.environment.docker_socket.display());
-                let _ = pipe.write_all(line.as_bytes());
-            }
-            let outcome = match socket {
-                Some(Ok(listener)) => self.start_docker(listener),
-                Some(Err(reason)) => DockerStart::Failed(reason),
-                None => DockerStart::Failed("dockerd is off".to_owned()),
-            };
-            let line = match &outcome {
-                DockerStart::Ready(detail) => format!("ready {detail}\n"),
-                DockerStart::Failed(reason) => format!("failed {reason}\n"),
-                DockerStart::Interrupted => "failed the supervisor is shutting down\n".to_owned(),
-            };
-            match &outcome {
-                DockerStart::Ready(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),
-                DockerStart::Failed(reason) => tracing::error!("dockerd is not available: {reason}"),
-                DockerStart::Interrupted => {}
-            }
-            // The agent may already be gone; that is handled by the event loop.
-            let _ = pipe.write_all(line.as_bytes());
+            self.start_docker_and_report(fs::File::from(report), socket, started);
         }
         self.supervise();
         self.drain();
         let code = self.agent_status.map_or(exit::INTERNAL, ChildStatus::exit_code);
         tracing::info!(code, "supervisor exiting");
         code
+    }
+
+    /// dockerd behind `socket` (when there is one), each step reported to the agent on
+    /// `pipe`. The agent may already be gone; that is handled by the event loop.
+    fn start_docker_and_report(&mut self, mut pipe: fs::File, socket: Option<Result<UnixListener, String>>, started: Instant) {
+        let mut report = |report: DockerReport| {
+            let _ = pipe.write_all(report.to_line().as_bytes());
+        };
+        if let Some(Ok(_)) = &socket {
+            report(DockerReport::Listening(format!("{} takes connections; dockerd starts behind it", self.args.environment.docker_socket.display())));
+        }
+        let outcome = match socket {
+            Some(Ok(listener)) => self.start_docker(listener),
+            Some(Err(reason)) => DockerStart::Failed(reason),
+            None => DockerStart::Failed("dockerd is off".to_owned()),
+        };
+        match &outcome {
+            DockerStart::Ready(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),
+            DockerStart::Failed(reason) => tracing::error!("dockerd is not available: {reason}"),
+            DockerStart::Interrupted => {}
+        }
+        report(match outcome {
+            DockerStart::Ready(detail) => DockerReport::Ready(detail),
+            DockerStart::Failed(reason) => DockerReport::Failed(reason),
+            DockerStart::Interrupted => DockerReport::Failed("the supervisor is shutting down".to_owned()),
+        });
     }
 
     fn nest_cgroups(&mut self) {
@@ -237,7 +243,7 @@ impl Supervisor {
 
     /// Storage, then dockerd on `listener` until `/_ping` answers. PID 1 keeps no copy
     /// of the socket: without dockerd, a `docker` call is refused rather than left waiting.
-    fn start_docker(&mut self, listener: std::os::unix::net::UnixListener) -> DockerStart {
+    fn start_docker(&mut self, listener: UnixListener) -> DockerStart {
         let storage_config = StorageConfig {
             mountpoint: self.args.environment.docker_data_root.clone(),
             image_path: self.args.storage_image.clone(),
