@@ -1,15 +1,27 @@
 //! The supervisor's command line. Every setting is a flag with an environment
 //! variable; values are parsed and cross-checked before any side effect, and an
 //! invalid one ends the process with a usage error (exit 64) naming the setting.
+//!
+//! It only parses and converts: the commands take their settings in their own terms
+//! ([`RunArgs::settings`], [`DoctorArgs::settings`]), and the settings' types live with
+//! the code that uses them (the runner's hooks in the agent, dockerd's bridge in
+//! `pid1::dockerd`, the runner user in `pid1::settings`).
 
 use std::{path::PathBuf, time::Duration};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 use contract::environment::{self as env, Contract};
 
 use contract::units::{parse_duration, parse_size};
 
-use crate::agent::identity::parse_workload_endpoint;
+use crate::{
+    agent::{config::RunnerHooks, identity::parse_workload_endpoint},
+    pid1::{
+        self, RunnerUser,
+        dockerd::{ActivateArgs, Bridge},
+    },
+    tools::doctor,
+};
 
 #[derive(Debug, Parser)]
 #[command(name = "supervisor", version, about = "PID 1 of a Gitea dynamic runner job environment.")]
@@ -36,31 +48,6 @@ pub enum Command {
     Activate(ActivateArgs),
     /// Print the version.
     Version,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct ActivateArgs {
-    pub program: PathBuf,
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    pub args: Vec<std::ffi::OsString>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
-pub enum RunnerHooks {
-    /// By the runner's version in its Declare: v3 and later run the hook.
-    Auto,
-    /// The runner runs `supervisor job-started` before the first step.
-    JobStarted,
-    /// No hook: hand the task over only once dockerd's socket takes connections.
-    None,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
-pub enum Bridge {
-    /// dockerd's default bridge network (what jobs expect).
-    Default,
-    /// No bridge and no iptables rules (containers need --network none or host).
-    None,
 }
 
 /// Settings both `run` and `doctor` read: what the environment is (the contract's
@@ -106,10 +93,10 @@ pub struct Environment {
     pub runner_dir: PathBuf,
 }
 
-/// The user the agent and the job run as: `run` switches to it, `doctor --image` checks
-/// that the image defines it the same way.
+/// The flags of the user the agent and the job run as ([`RunnerUser`]): `run` switches
+/// to it, `doctor --image` checks that the image defines it the same way.
 #[derive(Debug, Clone, Args)]
-pub struct RunnerUser {
+pub struct RunnerUserArgs {
     /// Uid the agent and the job run as.
     #[arg(long, env = "SUPERVISOR_RUNNER_UID", default_value_t = 2000, value_parser = parse_unprivileged_id)]
     pub runner_uid: u32,
@@ -129,7 +116,7 @@ pub struct RunArgs {
     #[command(flatten)]
     pub environment: Environment,
     #[command(flatten)]
-    pub user: RunnerUser,
+    pub user: RunnerUserArgs,
 
     #[arg(long, env = "SUPERVISOR_DOCKERD", default_value = "dockerd")]
     pub dockerd: PathBuf,
@@ -220,14 +207,21 @@ pub struct DoctorArgs {
     #[arg(long, default_value = "/usr/local/lib/gitea-dynamic-runner/packages", value_parser = parse_absolute)]
     pub packages: PathBuf,
     #[command(flatten)]
-    pub user: RunnerUser,
+    pub user: RunnerUserArgs,
+}
+
+impl RunnerUserArgs {
+    /// The user, in the terms of PID 1 and doctor.
+    pub fn user(&self) -> RunnerUser {
+        RunnerUser { uid: self.runner_uid, gid: self.runner_gid, docker_gid: self.docker_gid, home: self.runner_home.clone() }
+    }
 }
 
 impl DoctorArgs {
     /// What doctor checks, in its own terms.
-    pub fn settings(&self) -> crate::tools::doctor::Settings {
+    pub fn settings(&self) -> doctor::Settings {
         let e = &self.environment;
-        crate::tools::doctor::Settings {
+        doctor::Settings {
             identity: e.identity_on(),
             spiffe_endpoint: e.spiffe_endpoint.clone(),
             spiffe_id: e.spiffe_id.clone(),
@@ -244,7 +238,7 @@ impl DoctorArgs {
             assignment_id: e.assignment_id.clone(),
             image: self.image,
             packages: self.packages.clone(),
-            runner_user: self.user.clone(),
+            runner_user: self.user.user(),
         }
     }
 }
@@ -285,6 +279,41 @@ impl RunArgs {
 
     pub fn runner_labels(&self) -> Vec<String> {
         self.runner_labels_json.clone().map_or_else(|| vec!["self-hosted".to_owned()], |labels| labels.0)
+    }
+
+    /// What PID 1 does, in its own terms (after [`apply_contract`] and [`validate`]).
+    pub fn settings(&self) -> pid1::Settings {
+        let e = &self.environment;
+        pid1::Settings {
+            identity: self.identity_on(),
+            spiffe_id: e.spiffe_id.clone(),
+            spiffe_endpoint: e.spiffe_endpoint.clone(),
+            identity_timeout: self.identity_timeout,
+            docker: e.docker,
+            docker_data_root: e.docker_data_root.clone(),
+            docker_socket: e.docker_socket.clone(),
+            dockerd_log: e.dockerd_log.clone(),
+            dockerd: self.dockerd.clone(),
+            docker_exec_root: self.docker_exec_root.clone(),
+            docker_pidfile: self.docker_pidfile.clone(),
+            docker_bridge: self.docker_bridge,
+            docker_ready_timeout: self.docker_ready_timeout,
+            storage_image: self.storage_image.clone(),
+            storage_size: self.storage_size,
+            mkfs: self.mkfs.clone(),
+            cgroup_root: e.cgroup_root.clone(),
+            facade_url: e.facade_url.clone(),
+            facade_spiffe_id: self.facade_spiffe_id.clone(),
+            assignment_id: e.assignment_id.clone(),
+            runner_dir: e.runner_dir.clone(),
+            runner_labels: self.runner_labels(),
+            gitea_url: self.gitea_url.clone(),
+            runner_hooks: self.runner_hooks,
+            user: self.user.user(),
+            drain_timeout: self.drain_timeout,
+            state_dir: self.state_dir.clone(),
+            command: self.command.clone(),
+        }
     }
 }
 

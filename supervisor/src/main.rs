@@ -1,3 +1,6 @@
+//! The `supervisor` binary: parses the command line (flags, then the environment
+//! contract), sets up logging and hands each command to its module.
+
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -30,13 +33,13 @@ fn main() -> ExitCode {
                 eprintln!("error: {message}\n\nFor more information, try 'supervisor run --help'.");
                 return ExitCode::from(exit::USAGE);
             }
-            run::run(*args)
+            run::run(args.settings())
         }
         Command::Agent => {
             init_logging("supervisor agent");
             agent::main()
         }
-        Command::JobStarted(args) => job_started::run(&args),
+        Command::JobStarted(args) => job_started::run(&args.socket, args.timeout),
         Command::Doctor(mut args) => {
             let contract = contract::environment::Contract::from_process_env();
             if let Err(message) = args.environment.apply_contract(&contract) {

@@ -29,12 +29,10 @@ use prost::Message as _;
 use proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, LogRow, Task, TaskState, UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
 };
-use supervisor::{
-    agent::{
-        loopback::{self, LocalRunner, Served, Upstream},
-        proxy,
-    },
-    cli::RunnerHooks,
+use supervisor::agent::{
+    config::RunnerHooks,
+    loopback::{self, LocalRunner, Served, Upstream},
+    proxy,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;

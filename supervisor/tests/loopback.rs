@@ -31,12 +31,10 @@ use proto::runner::v1::{
     UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
 };
 use std::sync::atomic::AtomicBool;
-use supervisor::{
-    agent::{
-        loopback::{self, LocalRunner, Served, Upstream},
-        proxy,
-    },
-    cli::RunnerHooks,
+use supervisor::agent::{
+    config::RunnerHooks,
+    loopback::{self, LocalRunner, Served, Upstream},
+    proxy,
 };
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;

@@ -1,11 +1,10 @@
 //! The agent's configuration, as PID 1 hands it over: JSON in one environment variable
-//! with no secret in it (the capability comes on its own, see [`CAPABILITY_ENV`]).
+//! with no secret in it (the capability comes on its own, see [`CAPABILITY_ENV`]), and
+//! the settings' own types ([`RunnerHooks`]).
 
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-
-use super::AgentError;
 
 /// Environment variable that carries [`AgentConfig`] from PID 1.
 pub const CONFIG_ENV: &str = "SUPERVISOR_AGENT_CONFIG";
@@ -27,17 +26,6 @@ pub struct AgentConfig {
     pub facade: Option<FacadeSettings>,
 }
 
-impl AgentConfig {
-    /// The configuration PID 1 put in [`CONFIG_ENV`].
-    ///
-    /// # Errors
-    /// [`AgentError::Config`] when it is missing or not an [`AgentConfig`].
-    pub fn from_env() -> Result<AgentConfig, AgentError> {
-        let json = std::env::var(CONFIG_ENV).map_err(|e| AgentError::Config(e.to_string()))?;
-        serde_json::from_str(&json).map_err(|e| AgentError::Config(e.to_string()))
-    }
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FacadeSettings {
     pub url: String,
@@ -54,11 +42,24 @@ pub struct FacadeSettings {
     #[serde(default)]
     pub gitea_url: Option<String>,
     #[serde(default = "default_hooks")]
-    pub hooks: crate::cli::RunnerHooks,
+    pub hooks: RunnerHooks,
 }
 
-fn default_hooks() -> crate::cli::RunnerHooks {
-    crate::cli::RunnerHooks::Auto
+fn default_hooks() -> RunnerHooks {
+    RunnerHooks::Auto
+}
+
+/// Whether the runner runs `supervisor job-started` before the first step, which
+/// decides whether the loopback holds the task back until dockerd's socket takes
+/// connections (`--runner-hooks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+pub enum RunnerHooks {
+    /// By the runner's version in its Declare: v3 and later run the hook.
+    Auto,
+    /// The runner runs `supervisor job-started` before the first step.
+    JobStarted,
+    /// No hook: hand the task over only once dockerd's socket takes connections.
+    None,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

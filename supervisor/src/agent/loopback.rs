@@ -36,7 +36,7 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::RunnerHooks;
+use super::config::RunnerHooks;
 
 /// The largest request the loopback takes from the runner: its whole unacknowledged
 /// log backlog comes in one UpdateLog, so this is generous; it goes on in pieces.

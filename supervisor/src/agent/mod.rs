@@ -48,7 +48,8 @@ fn start() -> Result<u8, AgentError> {
     // capability, the session, the loopback's token) belong to root, and no step may
     // ptrace it.
     nix::sys::prctl::set_dumpable(false).map_err(AgentError::NotDumpable)?;
-    let config = AgentConfig::from_env()?;
+    let config = std::env::var(CONFIG_ENV).map_err(|e| AgentError::Config(e.to_string()))?;
+    let config: AgentConfig = serde_json::from_str(&config).map_err(|e| AgentError::Config(e.to_string()))?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(AgentError::Runtime)?;
     runtime.block_on(run(config))
 }

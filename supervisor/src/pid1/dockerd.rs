@@ -1,5 +1,6 @@
-//! The job-local dockerd: its socket, its command line (pure), its readiness probe, its
-//! log.
+//! The job-local dockerd: its socket, its command line (pure) and the settings it takes
+//! ([`Bridge`]), its start through `supervisor activate` ([`ActivateArgs`]), its
+//! readiness probe, its log.
 //!
 //! PID 1 binds dockerd's socket itself, before anything of the job runs, and hands it
 //! to dockerd (`-H fd://`, systemd's socket activation): a `docker` call made while
@@ -14,7 +15,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::cli::Bridge;
+/// dockerd's networking (`--docker-bridge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+pub enum Bridge {
+    /// dockerd's default bridge network (what jobs expect).
+    Default,
+    /// No bridge and no iptables rules (containers need --network none or host).
+    None,
+}
 
 /// What dockerd is started with.
 #[derive(Debug, Clone)]
@@ -80,11 +88,19 @@ pub fn bind_socket(path: &Path, group: u32) -> std::io::Result<UnixListener> {
 /// The fd on which the started program finds its socket (systemd's first).
 pub const LISTEN_FD: i32 = 3;
 
+/// `supervisor activate PROGRAM ARGS…`: what [`activate`] execs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ActivateArgs {
+    pub program: PathBuf,
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<OsString>,
+}
+
 /// `supervisor activate PROGRAM ARGS…`: becomes PROGRAM with [`LISTEN_FD`] announced
 /// as systemd does. Hand-written because `LISTEN_PID` must be the pid of the process
 /// that reads it, which PID 1 only learns after the fork — and after the fork a
 /// `Command`'s environment is fixed — so this process sets it for itself and execs.
-pub fn activate(args: &crate::cli::ActivateArgs) -> u8 {
+pub fn activate(args: &ActivateArgs) -> u8 {
     use std::os::unix::process::CommandExt as _;
     let error = std::process::Command::new(&args.program).args(&args.args).env("LISTEN_FDS", "1").env("LISTEN_PID", std::process::id().to_string()).exec();
     eprintln!("supervisor activate: cannot run {}: {error}", args.program.display());

@@ -2,7 +2,8 @@
 //! reaper ([`reaper`]), spawning ([`spawn`]), the life of the environment ([`run`]:
 //! cgroups, storage, the job-local dockerd, the agent, the ordered drain), loop-backed
 //! storage ([`storage`]), cgroup v1/v2 handling ([`cgroup`]) and dockerd's start-up
-//! ([`dockerd`]).
+//! ([`dockerd`]); what it was told, and the user it runs the agent as, in
+//! [`settings`].
 //!
 //! It may touch the whole machine; it never talks to the facade or to the runner —
 //! that is the agent's job, as the runner uid.
@@ -11,7 +12,9 @@ pub mod cgroup;
 pub mod dockerd;
 pub mod reaper;
 pub mod run;
+pub mod settings;
 pub mod spawn;
 pub mod storage;
 
 pub use reaper::{Event, FORWARDED, Pid1, block_signals, parse_stat};
+pub use settings::{RunnerUser, Settings};

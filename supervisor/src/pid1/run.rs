@@ -27,21 +27,20 @@ use std::{
 use nix::{fcntl::OFlag, sys::signal::Signal, unistd::Pid};
 
 use super::{
-    Event, Pid1, cgroup,
+    Event, Pid1, Settings, cgroup,
     dockerd::{self, DockerdConfig},
     spawn,
     storage::{self, Prepared, StorageConfig},
 };
 use crate::{
     agent::{self, AgentConfig, FacadeSettings, IdentitySettings, docker_report::DockerReport},
-    cli::RunArgs,
     exit::{self, ChildStatus},
 };
 
 /// How often dockerd is pinged while starting (the benchmark floor polls as often).
 const PING_INTERVAL: Duration = Duration::from_millis(10);
 
-pub fn run(args: RunArgs) -> u8 {
+pub fn run(settings: Settings) -> u8 {
     let pid1 = match Pid1::new() {
         Ok(pid1) => pid1,
         Err(error) => {
@@ -49,13 +48,13 @@ pub fn run(args: RunArgs) -> u8 {
             return exit::INTERNAL;
         }
     };
-    let mut supervisor = Supervisor { pid1, args, agent: None, dockerd: None, storage: None, drain_started: None, agent_status: None };
+    let mut supervisor = Supervisor { pid1, settings, agent: None, dockerd: None, storage: None, drain_started: None, agent_status: None };
     supervisor.main()
 }
 
 struct Supervisor {
     pid1: Pid1,
-    args: RunArgs,
+    settings: Settings,
     agent: Option<Pid>,
     dockerd: Option<Pid>,
     storage: Option<Prepared>,
@@ -85,22 +84,22 @@ impl Supervisor {
             version = env!("CARGO_PKG_VERSION"),
             revision = contract::REVISION,
             pid = std::process::id(),
-            drain_timeout = ?self.args.drain_timeout,
+            drain_timeout = ?self.settings.drain_timeout,
             "supervisor starting; the drain needs a termination grace period longer than the drain timeout"
         );
-        if self.args.environment.docker {
+        if self.settings.docker {
             self.nest_cgroups();
         }
-        let agent_dir = self.args.state_dir.join("agent");
+        let agent_dir = self.settings.state_dir.join("agent");
         if let Err(error) = self.prepare_state_dir(&agent_dir) {
             tracing::error!(dir = %agent_dir.display(), %error, "cannot prepare the state directory");
             return exit::INTERNAL;
         }
         // dockerd's socket before anything of the job runs: a `docker` call then waits
         // for dockerd instead of failing, so no step waits for it (pid1::dockerd).
-        let socket = self.args.environment.docker.then(|| {
-            let path = &self.args.environment.docker_socket;
-            dockerd::bind_socket(path, self.args.user.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()))
+        let socket = self.settings.docker.then(|| {
+            let path = &self.settings.docker_socket;
+            dockerd::bind_socket(path, self.settings.user.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()))
         });
         let report = match self.start_agent(&agent_dir) {
             Ok(report) => report,
@@ -123,7 +122,7 @@ impl Supervisor {
             let _ = pipe.write_all(report.to_line().as_bytes());
         };
         if let Some(Ok(_)) = &socket {
-            report(DockerReport::Listening(format!("{} takes connections; dockerd starts behind it", self.args.environment.docker_socket.display())));
+            report(DockerReport::Listening(format!("{} takes connections; dockerd starts behind it", self.settings.docker_socket.display())));
         }
         let outcome = match socket {
             Some(Ok(listener)) => self.start_docker(listener),
@@ -143,17 +142,17 @@ impl Supervisor {
     }
 
     fn nest_cgroups(&mut self) {
-        match cgroup::detect(&self.args.environment.cgroup_root) {
-            cgroup::Mode::V1 => match cgroup::make_v1_writable(&self.args.environment.cgroup_root) {
+        match cgroup::detect(&self.settings.cgroup_root) {
+            cgroup::Mode::V1 => match cgroup::make_v1_writable(&self.settings.cgroup_root) {
                 Ok(changed) if changed.is_empty() => {
-                    tracing::info!(root = %self.args.environment.cgroup_root.display(), "cgroup v1: the hierarchies are writable")
+                    tracing::info!(root = %self.settings.cgroup_root.display(), "cgroup v1: the hierarchies are writable")
                 }
                 Ok(changed) => tracing::info!(remounted = changed.len(), "cgroup v1: remounted the read-only hierarchies read-write for dockerd"),
                 Err(error) => {
                     tracing::warn!(error = %crate::error_chain(&error), "cgroup v1: cannot make the hierarchies writable; containers of the job may not start")
                 }
             },
-            cgroup::Mode::V2 => match cgroup::nest_v2(&self.args.environment.cgroup_root, Duration::from_secs(10)) {
+            cgroup::Mode::V2 => match cgroup::nest_v2(&self.settings.cgroup_root, Duration::from_secs(10)) {
                 Ok(nested) => tracing::info!(moved = nested.moved, enabled = ?nested.enabled, failed = ?nested.failed, "cgroup v2: nested into init"),
                 Err(error) => tracing::warn!(error = %crate::error_chain(&error), "cgroup v2 nesting failed, containers may not start"),
             },
@@ -162,38 +161,34 @@ impl Supervisor {
 
     fn prepare_state_dir(&self, agent_dir: &std::path::Path) -> std::io::Result<()> {
         fs::create_dir_all(agent_dir)?;
-        nix::unistd::chown(
-            agent_dir,
-            Some(nix::unistd::Uid::from_raw(self.args.user.runner_uid)),
-            Some(nix::unistd::Gid::from_raw(self.args.user.runner_gid)),
-        )?;
+        nix::unistd::chown(agent_dir, Some(nix::unistd::Uid::from_raw(self.settings.user.uid)), Some(nix::unistd::Gid::from_raw(self.settings.user.gid)))?;
         fs::set_permissions(agent_dir, fs::Permissions::from_mode(0o700))?;
         // The hook runs as the runner uid and must reach the socket inside.
-        fs::set_permissions(&self.args.state_dir, fs::Permissions::from_mode(0o755))
+        fs::set_permissions(&self.settings.state_dir, fs::Permissions::from_mode(0o755))
     }
 
     /// Starts the agent; returns the write end of its dockerd report pipe (if any).
     fn start_agent(&mut self, agent_dir: &std::path::Path) -> Result<Option<OwnedFd>, u8> {
-        let args = &self.args;
+        let settings = &self.settings;
         let config = AgentConfig {
-            identity: args.identity_on().then(|| IdentitySettings {
-                spiffe_id: args.environment.spiffe_id.clone().unwrap_or_default(),
-                endpoint: args.environment.spiffe_endpoint.clone().unwrap_or_default(),
-                timeout_ms: u64::try_from(args.identity_timeout.as_millis()).unwrap_or(u64::MAX),
+            identity: settings.identity.then(|| IdentitySettings {
+                spiffe_id: settings.spiffe_id.clone().unwrap_or_default(),
+                endpoint: settings.spiffe_endpoint.clone().unwrap_or_default(),
+                timeout_ms: u64::try_from(settings.identity_timeout.as_millis()).unwrap_or(u64::MAX),
             }),
-            docker: args.environment.docker,
-            docker_host: args.environment.docker.then(|| format!("unix://{}", args.environment.docker_socket.display())),
+            docker: settings.docker,
+            docker_host: settings.docker.then(|| format!("unix://{}", settings.docker_socket.display())),
             socket: agent_dir.join("agent.sock"),
-            command: args.command.clone(),
-            facade: args.environment.facade_url.clone().map(|url| FacadeSettings {
+            command: settings.command.clone(),
+            facade: settings.facade_url.clone().map(|url| FacadeSettings {
                 url,
-                spiffe_id: args.facade_spiffe_id.clone(),
-                assignment_id: args.environment.assignment_id.clone().unwrap_or_default(),
-                labels: args.runner_labels(),
-                runner_dir: args.environment.runner_dir.clone(),
+                spiffe_id: settings.facade_spiffe_id.clone(),
+                assignment_id: settings.assignment_id.clone().unwrap_or_default(),
+                labels: settings.runner_labels.clone(),
+                runner_dir: settings.runner_dir.clone(),
                 holder_file: agent_dir.join("holder"),
-                gitea_url: args.gitea_url.clone(),
-                hooks: args.runner_hooks,
+                gitea_url: settings.gitea_url.clone(),
+                hooks: settings.runner_hooks,
             }),
         };
         let json = serde_json::to_string(&config).map_err(|error| {
@@ -202,7 +197,7 @@ impl Supervisor {
         })?;
         let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
         let mut command = Command::new(exe);
-        command.arg("agent").env(agent::CONFIG_ENV, json).env("HOME", &args.user.runner_home).env("USER", "runner").stdin(Stdio::inherit());
+        command.arg("agent").env(agent::CONFIG_ENV, json).env("HOME", &settings.user.home).env("USER", "runner").stdin(Stdio::inherit());
         // A capability handed over as a file (the docker driver) is read and removed
         // before anything of the job runs; only the agent gets it.
         command.env_remove(contract::environment::CAPABILITY_FILE);
@@ -213,8 +208,8 @@ impl Supervisor {
             })?;
             command.env(agent::CAPABILITY_ENV, capability.trim());
         }
-        spawn::prepare(&mut command, Some(spawn::Credentials { uid: args.user.runner_uid, gid: args.user.runner_gid, groups: [args.user.docker_gid] }));
-        let (read, write) = if args.environment.docker {
+        spawn::prepare(&mut command, Some(settings.user.credentials()));
+        let (read, write) = if settings.docker {
             let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|error| {
                 tracing::error!(%error, "cannot create the dockerd report pipe");
                 exit::INTERNAL
@@ -229,7 +224,7 @@ impl Supervisor {
         }
         match self.pid1.spawn(&mut command) {
             Ok(pid) => {
-                tracing::info!(%pid, uid = args.user.runner_uid, "agent started");
+                tracing::info!(%pid, uid = settings.user.uid, "agent started");
                 self.agent = Some(pid);
                 drop(read);
                 Ok(write)
@@ -245,11 +240,11 @@ impl Supervisor {
     /// of the socket: without dockerd, a `docker` call is refused rather than left waiting.
     fn start_docker(&mut self, listener: UnixListener) -> DockerStart {
         let storage_config = StorageConfig {
-            mountpoint: self.args.environment.docker_data_root.clone(),
-            image_path: self.args.storage_image.clone(),
-            size_bytes: self.args.storage_size,
-            mkfs: self.args.mkfs.clone(),
-            state_file: self.args.state_dir.join("storage.json"),
+            mountpoint: self.settings.docker_data_root.clone(),
+            image_path: self.settings.storage_image.clone(),
+            size_bytes: self.settings.storage_size,
+            mkfs: self.settings.mkfs.clone(),
+            state_file: self.settings.state_dir.join("storage.json"),
         };
         let storage_started = Instant::now();
         match storage::prepare(&storage_config, &mut ReapingRunner(&mut self.pid1)) {
@@ -258,26 +253,26 @@ impl Supervisor {
                 self.storage = Some(prepared);
             }
             Err(error) => {
-                return DockerStart::Failed(format!("storage for {} failed: {}", self.args.environment.docker_data_root.display(), crate::error_chain(&error)));
+                return DockerStart::Failed(format!("storage for {} failed: {}", self.settings.docker_data_root.display(), crate::error_chain(&error)));
             }
         }
         if self.check_interrupts().is_err() {
             return DockerStart::Interrupted;
         }
 
-        for stale in [&self.args.docker_pidfile, &self.args.docker_exec_root.join("containerd/containerd.pid")] {
+        for stale in [&self.settings.docker_pidfile, &self.settings.docker_exec_root.join("containerd/containerd.pid")] {
             let _ = fs::remove_file(stale);
         }
-        let log = match open_log(&self.args.environment.dockerd_log) {
+        let log = match open_log(&self.settings.dockerd_log) {
             Ok(log) => log,
-            Err(error) => return DockerStart::Failed(format!("cannot open {}: {error}", self.args.environment.dockerd_log.display())),
+            Err(error) => return DockerStart::Failed(format!("cannot open {}: {error}", self.settings.dockerd_log.display())),
         };
         let config = DockerdConfig {
-            dockerd: self.args.dockerd.clone(),
-            data_root: self.args.environment.docker_data_root.clone(),
-            exec_root: self.args.docker_exec_root.clone(),
-            pidfile: self.args.docker_pidfile.clone(),
-            bridge: self.args.docker_bridge,
+            dockerd: self.settings.dockerd.clone(),
+            data_root: self.settings.docker_data_root.clone(),
+            exec_root: self.settings.docker_exec_root.clone(),
+            pidfile: self.settings.docker_pidfile.clone(),
+            bridge: self.settings.docker_bridge,
             shutdown_timeout: self.dockerd_shutdown_timeout(),
             mtu: dockerd::uplink_mtu(std::path::Path::new("/sys/class/net")),
         };
@@ -303,21 +298,21 @@ impl Supervisor {
         self.dockerd = Some(pid);
         tracing::info!(%pid, "dockerd started");
 
-        let deadline = dockerd_started + self.args.docker_ready_timeout;
+        let deadline = dockerd_started + self.settings.docker_ready_timeout;
         loop {
-            match dockerd::ping(&self.args.environment.docker_socket, Duration::from_secs(2)) {
+            match dockerd::ping(&self.settings.docker_socket, Duration::from_secs(2)) {
                 Ok(_) => {
                     return DockerStart::Ready(format!(
                         "{} answered /_ping {} ms after dockerd started",
-                        self.args.environment.docker_socket.display(),
+                        self.settings.docker_socket.display(),
                         dockerd_started.elapsed().as_millis()
                     ));
                 }
                 Err(error) if Instant::now() >= deadline => {
                     return DockerStart::Failed(format!(
                         "dockerd did not answer within {:?} ({error}); its log ends with:\n{}",
-                        self.args.docker_ready_timeout,
-                        dockerd::log_tail(&self.args.environment.dockerd_log, 20)
+                        self.settings.docker_ready_timeout,
+                        dockerd::log_tail(&self.settings.dockerd_log, 20)
                     ));
                 }
                 Err(_) => {}
@@ -328,7 +323,7 @@ impl Supervisor {
             if self.dockerd.is_none() {
                 return DockerStart::Failed(format!(
                     "dockerd exited while starting; its log ends with:\n{}",
-                    dockerd::log_tail(&self.args.environment.dockerd_log, 20)
+                    dockerd::log_tail(&self.settings.dockerd_log, 20)
                 ));
             }
             if self.check_interrupts().is_err() {
@@ -355,7 +350,7 @@ impl Supervisor {
                     self.pid1.signal(agent, signal);
                 }
                 if signal == Signal::SIGTERM && self.drain_started.is_none() {
-                    tracing::info!(deadline = ?self.args.drain_timeout, "SIGTERM: draining");
+                    tracing::info!(deadline = ?self.settings.drain_timeout, "SIGTERM: draining");
                     self.drain_started = Some(Instant::now());
                 }
             }
@@ -365,7 +360,7 @@ impl Supervisor {
                 self.agent_status = Some(status);
             }
             Event::Exited { pid, status } if Some(pid) == self.dockerd => {
-                tracing::warn!(%status, log = %self.args.environment.dockerd_log.display(), "dockerd exited");
+                tracing::warn!(%status, log = %self.settings.dockerd_log.display(), "dockerd exited");
                 self.dockerd = None;
             }
             Event::Exited { pid, status } => tracing::debug!(%pid, %status, "child exited"),
@@ -377,7 +372,7 @@ impl Supervisor {
         while self.agent.is_some() {
             let wait = match self.drain_started {
                 Some(started) => {
-                    let budget = self.args.drain_timeout / 2;
+                    let budget = self.settings.drain_timeout / 2;
                     let left = budget.saturating_sub(started.elapsed());
                     if left.is_zero() {
                         tracing::warn!(?budget, "the agent did not stop in its share of the drain: SIGKILL");
@@ -402,7 +397,7 @@ impl Supervisor {
     /// Ordered shutdown: dockerd, leftovers, unmount, loop detach.
     fn drain(&mut self) {
         let started = self.drain_started.unwrap_or_else(Instant::now);
-        let deadline = started + self.args.drain_timeout;
+        let deadline = started + self.settings.drain_timeout;
         if let Some(agent) = self.agent.take() {
             self.pid1.signal(agent, Signal::SIGKILL);
         }
@@ -428,7 +423,7 @@ impl Supervisor {
     }
 
     fn dockerd_shutdown_timeout(&self) -> Duration {
-        (self.args.drain_timeout / 2).saturating_sub(Duration::from_secs(2)).max(Duration::from_secs(1))
+        (self.settings.drain_timeout / 2).saturating_sub(Duration::from_secs(2)).max(Duration::from_secs(1))
     }
 }
 

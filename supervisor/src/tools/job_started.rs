@@ -4,16 +4,19 @@
 //! for it), by asking the agent over its unix socket ([`ready::wait`]); a non-zero exit
 //! fails the job with the message printed here.
 
-use crate::{agent::ready, cli::JobStartedArgs, exit};
+use std::{path::Path, time::Duration};
 
-pub fn run(args: &JobStartedArgs) -> u8 {
-    match ready::wait(&args.socket, args.timeout) {
+use crate::{agent::ready, exit};
+
+/// Asks the agent at `socket` for up to `timeout`; 0 once the environment is ready.
+pub fn run(socket: &Path, timeout: Duration) -> u8 {
+    match ready::wait(socket, timeout) {
         Ok(readiness) if readiness.is_ready() => {
             println!("supervisor: environment ready — identity: {}; dockerd: {}", readiness.identity, readiness.docker);
             0
         }
         Ok(readiness) => {
-            eprintln!("supervisor job-started: the environment is not ready after {:?}: {}", args.timeout, readiness.missing());
+            eprintln!("supervisor job-started: the environment is not ready after {timeout:?}: {}", readiness.missing());
             exit::NOT_READY
         }
         Err(reason) => {

@@ -142,17 +142,14 @@ fn runner_user(settings: &Settings) -> Outcome {
     let (Ok(passwd), Ok(group)) = (std::fs::read_to_string("/etc/passwd"), std::fs::read_to_string("/etc/group")) else {
         return Outcome::fail(ID, "cannot read /etc/passwd or /etc/group", "the image needs both");
     };
-    let mut problems = user_problems(&passwd, &group, user.runner_uid, user.runner_gid, user.docker_gid);
-    match std::fs::metadata(&user.runner_home) {
-        Ok(meta) if (meta.uid(), meta.gid()) == (user.runner_uid, user.runner_gid) => {}
-        Ok(meta) => problems.push(format!("{} is owned by {}:{}", user.runner_home.display(), meta.uid(), meta.gid())),
-        Err(error) => problems.push(format!("{}: {error}", user.runner_home.display())),
+    let mut problems = user_problems(&passwd, &group, user.uid, user.gid, user.docker_gid);
+    match std::fs::metadata(&user.home) {
+        Ok(meta) if (meta.uid(), meta.gid()) == (user.uid, user.gid) => {}
+        Ok(meta) => problems.push(format!("{} is owned by {}:{}", user.home.display(), meta.uid(), meta.gid())),
+        Err(error) => problems.push(format!("{}: {error}", user.home.display())),
     }
     if problems.is_empty() {
-        Outcome::pass(
-            ID,
-            format!("uid {} gid {} in the docker group {}, home {}", user.runner_uid, user.runner_gid, user.docker_gid, user.runner_home.display()),
-        )
+        Outcome::pass(ID, format!("uid {} gid {} in the docker group {}, home {}", user.uid, user.gid, user.docker_gid, user.home.display()))
     } else {
         Outcome::fail(
             ID,

@@ -38,7 +38,7 @@ pub struct Settings {
     pub image: bool,
     /// The image's package list, for `image`.
     pub packages: PathBuf,
-    pub runner_user: crate::cli::RunnerUser,
+    pub runner_user: crate::pid1::RunnerUser,
 }
 
 /// Every check of the mode `settings` asks for, in the order a person would look.

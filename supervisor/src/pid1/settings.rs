@@ -1,0 +1,68 @@
+//! What `supervisor run` was told, in PID 1's terms ([`Settings`]), and the user the
+//! agent and the job run as ([`RunnerUser`]). The command line parses and checks the
+//! flags and converts them into these; PID 1 never sees a flag.
+
+use std::{path::PathBuf, time::Duration};
+
+use super::{dockerd::Bridge, spawn::Credentials};
+use crate::agent::config::RunnerHooks;
+
+/// The user the agent and the job run as: PID 1 switches to it, `doctor --image` checks
+/// that the image defines it the same way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerUser {
+    pub uid: u32,
+    /// The runner's primary gid.
+    pub gid: u32,
+    /// The docker group: owns dockerd's socket and is the runner's supplementary group.
+    pub docker_gid: u32,
+    pub home: PathBuf,
+}
+
+impl RunnerUser {
+    /// Who the agent runs as: the runner, with the docker group.
+    pub fn credentials(&self) -> Credentials {
+        Credentials { uid: self.uid, gid: self.gid, groups: [self.docker_gid] }
+    }
+}
+
+/// Everything PID 1 does in one environment, already checked (the flags' help says what
+/// each means).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Whether the agent waits for the job's SVID.
+    pub identity: bool,
+    pub spiffe_id: Option<String>,
+    pub spiffe_endpoint: Option<String>,
+    pub identity_timeout: Duration,
+
+    /// Whether to start a job-local dockerd (and its storage).
+    pub docker: bool,
+    pub docker_data_root: PathBuf,
+    pub docker_socket: PathBuf,
+    pub dockerd_log: PathBuf,
+    pub dockerd: PathBuf,
+    pub docker_exec_root: PathBuf,
+    pub docker_pidfile: PathBuf,
+    pub docker_bridge: Bridge,
+    pub docker_ready_timeout: Duration,
+    pub storage_image: PathBuf,
+    pub storage_size: u64,
+    pub mkfs: PathBuf,
+    pub cgroup_root: PathBuf,
+
+    /// With a facade the agent claims the task and serves it to the runner.
+    pub facade_url: Option<String>,
+    pub facade_spiffe_id: Option<String>,
+    pub assignment_id: Option<String>,
+    pub runner_dir: PathBuf,
+    pub runner_labels: Vec<String>,
+    pub gitea_url: Option<String>,
+    pub runner_hooks: RunnerHooks,
+
+    pub user: RunnerUser,
+    pub drain_timeout: Duration,
+    pub state_dir: PathBuf,
+    /// The job command.
+    pub command: Vec<String>,
+}
