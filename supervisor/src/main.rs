@@ -37,7 +37,7 @@ fn main() -> ExitCode {
         }
         Command::Agent => {
             init_logging("supervisor agent");
-            agent::main()
+            agent::run()
         }
         Command::JobStarted(args) => job_started::run(&args.socket, args.timeout),
         Command::Doctor(mut args) => {

@@ -33,7 +33,7 @@ use ready::{Readiness, Status};
 
 /// `supervisor agent`: reads its configuration and runs; a failure is logged once, here,
 /// and becomes its exit code.
-pub fn main() -> u8 {
+pub fn run() -> u8 {
     match start() {
         Ok(code) => code,
         Err(error) => {
@@ -51,10 +51,11 @@ fn start() -> Result<u8, AgentError> {
     let config = std::env::var(CONFIG_ENV).map_err(|e| AgentError::Config(e.to_string()))?;
     let config: AgentConfig = serde_json::from_str(&config).map_err(|e| AgentError::Config(e.to_string()))?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(AgentError::Runtime)?;
-    runtime.block_on(run(config))
+    runtime.block_on(run_with(config))
 }
 
-async fn run(config: AgentConfig) -> Result<u8, AgentError> {
+/// The agent's life with `config`: readiness, the job, then tidying up.
+async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
     let initial = Readiness {
         identity: match &config.identity {
             Some(_) => Status::Waiting("not asked yet".into()),

@@ -49,7 +49,7 @@ pub fn run(settings: Settings) -> u8 {
         }
     };
     let mut supervisor = Supervisor { pid1, settings, agent: None, dockerd: None, storage: None, drain_started: None, agent_status: None };
-    supervisor.main()
+    supervisor.run()
 }
 
 struct Supervisor {
@@ -78,7 +78,7 @@ enum DockerStart {
 }
 
 impl Supervisor {
-    fn main(&mut self) -> u8 {
+    fn run(&mut self) -> u8 {
         let started = Instant::now();
         tracing::info!(
             version = env!("CARGO_PKG_VERSION"),
