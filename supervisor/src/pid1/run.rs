@@ -239,6 +239,20 @@ impl Supervisor {
     /// Storage, then dockerd on `listener` until `/_ping` answers. PID 1 keeps no copy
     /// of the socket: without dockerd, a `docker` call is refused rather than left waiting.
     fn start_docker(&mut self, listener: UnixListener) -> DockerStart {
+        if let Err(reason) = self.prepare_storage() {
+            return DockerStart::Failed(reason);
+        }
+        if self.check_interrupts().is_err() {
+            return DockerStart::Interrupted;
+        }
+        match self.spawn_dockerd(listener) {
+            Ok(started) => self.wait_for_ping(started),
+            Err(reason) => DockerStart::Failed(reason),
+        }
+    }
+
+    /// Loop-backed storage for dockerd's data root, unless it is a mountpoint already.
+    fn prepare_storage(&mut self) -> Result<(), String> {
         let storage_config = StorageConfig {
             mountpoint: self.settings.docker_data_root.clone(),
             image_path: self.settings.storage_image.clone(),
@@ -251,22 +265,18 @@ impl Supervisor {
             Ok(prepared) => {
                 tracing::info!(elapsed = ?storage_started.elapsed(), storage = ?prepared, "storage ready");
                 self.storage = Some(prepared);
+                Ok(())
             }
-            Err(error) => {
-                return DockerStart::Failed(format!("storage for {} failed: {}", self.settings.docker_data_root.display(), crate::error_chain(&error)));
-            }
+            Err(error) => Err(format!("storage for {} failed: {}", self.settings.docker_data_root.display(), crate::error_chain(&error))),
         }
-        if self.check_interrupts().is_err() {
-            return DockerStart::Interrupted;
-        }
+    }
 
+    /// dockerd on `listener` (through `supervisor activate`); when it started.
+    fn spawn_dockerd(&mut self, listener: UnixListener) -> Result<Instant, String> {
         for stale in [&self.settings.docker_pidfile, &self.settings.docker_exec_root.join("containerd/containerd.pid")] {
             let _ = fs::remove_file(stale);
         }
-        let log = match open_log(&self.settings.dockerd_log) {
-            Ok(log) => log,
-            Err(error) => return DockerStart::Failed(format!("cannot open {}: {error}", self.settings.dockerd_log.display())),
-        };
+        let log = open_log(&self.settings.dockerd_log).map_err(|error| format!("cannot open {}: {error}", self.settings.dockerd_log.display()))?;
         let config = DockerdConfig {
             dockerd: self.settings.dockerd.clone(),
             data_root: self.settings.docker_data_root.clone(),
@@ -289,15 +299,17 @@ impl Supervisor {
             Err(_) => command.stdout(Stdio::null()).stderr(Stdio::null()),
         };
         spawn::prepare(&mut command, None);
-        let dockerd_started = Instant::now();
-        let pid = match self.pid1.spawn(&mut command) {
-            Ok(pid) => pid,
-            Err(error) => return DockerStart::Failed(format!("cannot start {}: {error}", config.dockerd.display())),
-        };
+        let started = Instant::now();
+        let pid = self.pid1.spawn(&mut command).map_err(|error| format!("cannot start {}: {error}", config.dockerd.display()))?;
         drop(listener);
         self.dockerd = Some(pid);
         tracing::info!(%pid, "dockerd started");
+        Ok(started)
+    }
 
+    /// Pings dockerd until it answers, handling PID 1's events meanwhile, within the
+    /// ready timeout counted from `dockerd_started`.
+    fn wait_for_ping(&mut self, dockerd_started: Instant) -> DockerStart {
         let deadline = dockerd_started + self.settings.docker_ready_timeout;
         loop {
             match dockerd::ping(&self.settings.docker_socket, Duration::from_secs(2)) {
