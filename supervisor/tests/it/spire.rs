@@ -5,14 +5,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::{
     process::Stdio,
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use testkit::{
     KillOnDrop,
     spire::{SpireAgent, SpireServer},

@@ -4,14 +4,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::{
     fs,
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,

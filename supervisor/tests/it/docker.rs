@@ -2,17 +2,14 @@
 //! root, starts a job-local dockerd (default bridge, in a private network namespace
 //! so the host's networking is untouched), and the job runs `docker run` on an image
 //! imported from busybox-static. Afterwards no mount, loop device or process is left.
-//! Also the already-a-mountpoint path. Root only; serialised (real loop devices).
+//! Also the already-a-mountpoint path. Root only; one at a time, with the storage tests
+//! (real loop devices: `common::loop_devices`).
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use std::{fs, path::Path, process::Command, time::Duration};
 
-use std::{fs, path::Path, process::Command, sync::Mutex, time::Duration};
-
-use common::*;
-
-static SERIAL: Mutex<()> = Mutex::new(());
+use crate::common::*;
 
 /// A busybox rootfs tarball the runner uid can read, for `docker import`.
 fn busybox_tarball(dir: &Path) -> std::path::PathBuf {
@@ -105,7 +102,7 @@ fn supervisor_in_private_netns(state: &Path, extra: &[String], job: &str) -> Com
 
 #[test]
 fn loop_backed_storage_dockerd_and_docker_run() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _loop_devices = loop_devices();
     let dir = scratch();
     let tarball = busybox_tarball(dir.path());
     let out = dir.path().join("out");
@@ -128,7 +125,7 @@ fn loop_backed_storage_dockerd_and_docker_run() {
 
 #[test]
 fn an_existing_mountpoint_is_used_and_left_alone() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _loop_devices = loop_devices();
     let dir = scratch();
     let tarball = busybox_tarball(dir.path());
     let out = dir.path().join("out");
@@ -155,7 +152,7 @@ fn an_existing_mountpoint_is_used_and_left_alone() {
 
 #[test]
 fn dockerd_that_cannot_start_fails_the_environment_with_its_log() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _loop_devices = loop_devices();
     let dir = scratch();
     let layout = layout(dir.path());
     let mut args = layout.args.clone();

@@ -1,6 +1,7 @@
-//! Running the real supervisor binary in tests: as PID 1 of a new PID namespace
-//! (`unshare --pid --fork --mount-proc`) or as a subreaper, with scratch directories
-//! the runner uid can write.
+//! What the tests share: running the real supervisor binary as PID 1 of a new PID
+//! namespace (`unshare --pid --fork --mount-proc`) or as a subreaper, scratch
+//! directories the runner uid can write, and the locks on what the tests of this one
+//! process share with each other ([`loop_devices`], [`PROCESS_MEMORY`]).
 
 #![allow(dead_code, clippy::unwrap_used)]
 
@@ -8,9 +9,22 @@ use std::{
     os::unix::fs::PermissionsExt,
     path::Path,
     process::{Command, Stdio},
+    sync::{Mutex, MutexGuard, PoisonError},
 };
 
 pub const SUPERVISOR: &str = env!("CARGO_BIN_EXE_supervisor");
+
+/// The host's loop devices and mount table, one test at a time: the storage tests and
+/// the tests that start dockerd on loop-backed storage. (A storage test checks that the
+/// set of bound loop devices does not change while it runs.)
+pub fn loop_devices() -> MutexGuard<'static, ()> {
+    static LOOP_DEVICES: Mutex<()> = Mutex::new(());
+    LOOP_DEVICES.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// This process's memory, which the hostile-input test bounds: that test holds it
+/// alone, and a test that moves megabytes through this process holds it shared.
+pub static PROCESS_MEMORY: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 /// A scratch directory everyone can write (the job runs as uid 2000).
 pub fn scratch() -> tempfile::TempDir {

@@ -1,8 +1,8 @@
 //! Real storage tests: root, real loop devices, real mkfs.ext4 and mounts, all under a
 //! per-test scratch directory in the temp dir. They skip (loudly) without root,
 //! `/dev/loop-control` or `mkfs.ext4`. Tests share the kernel's loop devices and the
-//! mount table, so they run one at a time behind `LOCK`, and a `Scratch` guard undoes
-//! everything on drop, also when an assertion failed.
+//! mount table, so they run one at a time behind [`loop_devices`] (with the docker
+//! tests), and a `Scratch` guard undoes everything on drop, also when an assertion failed.
 
 use std::ffi::OsStr;
 use std::fs;
@@ -11,12 +11,12 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 use supervisor::pid1::storage::{self, Prepared, Runner, StorageConfig, StorageError, mountinfo};
 
-static LOCK: Mutex<()> = Mutex::new(());
+use crate::common::loop_devices;
 
 const MIB: u64 = 1024 * 1024;
 
@@ -24,7 +24,7 @@ const MIB: u64 = 1024 * 1024;
 /// Serialises the tests (loop devices are host-global) and fails loudly when the
 /// machine cannot run them: CI runs as root with e2fsprogs from install-test-peers.
 fn privileged() -> MutexGuard<'static, ()> {
-    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+    let lock = loop_devices();
     let root = nix::unistd::geteuid().is_root();
     let control = Path::new("/dev/loop-control").exists();
     let mkfs = Command::new("mkfs.ext4").arg("-V").output().is_ok();

@@ -13,8 +13,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::{
     net::SocketAddr,
     sync::{Arc, Mutex},
@@ -38,6 +36,8 @@ use supervisor::agent::{
 };
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+use crate::common::PROCESS_MEMORY;
 
 /// The facade as the runner experiences it: Gitea's ack and final-state rules.
 #[derive(Default)]
@@ -303,6 +303,8 @@ async fn a_runner_without_hooks_is_held_until_dockerd_is_ready() {
 /// the runner sees one acknowledgement of everything.
 #[tokio::test]
 async fn a_large_backlog_goes_to_the_facade_in_pieces() {
+    // Megabytes through this process: not while the hostile-input test bounds its memory.
+    let _memory = PROCESS_MEMORY.read().await;
     let lb = loopback(task(), RunnerHooks::JobStarted, None, true).await;
     let client = runner_client(&lb.address, "gitea-task-7", &lb.runner.token);
     let rows: Vec<LogRow> = (0..20_000).map(|i| LogRow { time: None, content: format!("{i:05} {}", "x".repeat(500)) }).collect();
@@ -322,6 +324,8 @@ async fn a_large_backlog_goes_to_the_facade_in_pieces() {
 
 #[tokio::test]
 async fn every_other_path_goes_to_gitea_unchanged() {
+    // Megabytes through this process: not while the hostile-input test bounds its memory.
+    let _memory = PROCESS_MEMORY.read().await;
     let (gitea, seen) = gitea_side().await;
     let lb = loopback(task(), RunnerHooks::JobStarted, Some(&format!("http://{gitea}")), true).await;
     let http = connect::client::http_client::<Full<Bytes>>().unwrap();
@@ -395,7 +399,7 @@ fn job_task() -> Task {
 async fn run_real_runner(binary: &str, hooks_ready_after: Option<Duration>) -> (Arc<Recording>, String, Vec<(String, http::HeaderMap, usize)>) {
     let (gitea, seen) = gitea_side().await;
     let lb = loopback(job_task(), RunnerHooks::Auto, Some(&format!("http://{gitea}")), hooks_ready_after.is_none()).await;
-    let dir = common::scratch();
+    let dir = crate::common::scratch();
     let d = dir.path();
     std::fs::write(d.join(".runner"), lb.runner.runner_file(&lb.address)).unwrap();
     let config = format!(

@@ -4,11 +4,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::{process::Stdio, time::Duration};
 
-use common::*;
+use crate::common::*;
 use testkit::workload::{FakeWorkloadApi, Offer};
 
 const EXPECTED: &str = "spiffe://example.org/ci/owner/repo/build";
