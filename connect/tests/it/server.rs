@@ -4,11 +4,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use connect::{CallOptions, Client, Code, Codec};
 use http::{HeaderValue, header::HeaderName};
 use prost::Message;

@@ -11,8 +11,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::{
     path::{Path, PathBuf},
     process::Stdio,
@@ -20,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use connect::{CallOptions, Client, Code, Codec, ConnectError};
 use http::{HeaderMap, HeaderValue};
 use proto::{
