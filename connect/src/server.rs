@@ -60,8 +60,10 @@ impl<M> From<M> for Response<M> {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// A response body that may stream (the fallback's), or a whole Connect answer.
-pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+/// A response body that may stream (the fallback's), or a whole Connect answer. Not
+/// `Sync`: hyper needs `Send` only, and a fallback may stream a body that is not `Sync`
+/// (a gRPC channel's, for the supervisor's cache proxy).
+pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
 /// Answers every request whose path is none of the router's procedures (the
 /// supervisor passes those on to Gitea).
@@ -405,7 +407,7 @@ pub async fn serve_with_fallback(
             async move {
                 let response = match fallback {
                     Some(fallback) if !router.routes(request.uri().path()) => fallback(request).await,
-                    _ => router.handle(request, Some(peer)).await.map(|body| body.map_err(|never| match never {}).boxed()),
+                    _ => router.handle(request, Some(peer)).await.map(|body| body.map_err(|never| match never {}).boxed_unsync()),
                 };
                 Ok::<_, Infallible>(response)
             }

@@ -4,21 +4,20 @@
 //! - [`facade`]: the forms of the facade's URL and which addresses plain HTTP may use;
 //! - [`units`]: how sizes and durations are written in settings, for both binaries;
 //! - [`backoff`]: the one retry pause of every loop;
+//! - [`cache`]: where the jobs' cache is served in an environment, and how the supervisor
+//!   forwards it to the facade;
 //! - [`exit`]: the supervisor's own exit codes, and what each means to the controller
 //!   that sees an environment end with one;
-//! - [`error_chain`]: how an error is printed, with every cause, on one line;
-//! - [`REVISION`]: the source revision both are built from.
+//! - [`error_chain`]: how an error is printed, with every cause, on one line.
 
 #![forbid(unsafe_code)]
 
 pub mod backoff;
+pub mod cache;
 pub mod environment;
 pub mod exit;
 pub mod facade;
 pub mod units;
-
-/// The git revision (12 hex digits) the binaries were built from, or "unknown".
-pub const REVISION: &str = env!("GDR_REVISION");
 
 /// "outer: inner: innermost": every layer of an error in one line, printed once.
 pub fn error_chain(error: &dyn std::error::Error) -> String {

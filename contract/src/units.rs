@@ -27,12 +27,12 @@ pub fn parse_size(value: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// Parses `25s`, `500ms`, `2m`, `1h`, `1m30s`; a bare number means seconds.
+/// Parses `25s`, `500ms`, `2m`, `1h`, `1m30s`, `7d`; a bare number means seconds.
 ///
 /// # Errors
 /// A message saying what is accepted.
 pub fn parse_duration(value: &str) -> Result<Duration, String> {
-    let invalid = || format!("{value:?} is not a duration: use e.g. 500ms, 25s, 2m, 1h or 1m30s");
+    let invalid = || format!("{value:?} is not a duration: use e.g. 500ms, 25s, 2m, 1h, 7d or 1m30s");
     let text = value.trim();
     if text.is_empty() {
         return Err(invalid());
@@ -55,6 +55,7 @@ pub fn parse_duration(value: &str) -> Result<Duration, String> {
             "s" => Duration::from_secs(number),
             "m" => Duration::from_secs(number.checked_mul(60).ok_or_else(invalid)?),
             "h" => Duration::from_secs(number.checked_mul(3600).ok_or_else(invalid)?),
+            "d" => Duration::from_secs(number.checked_mul(24 * 3600).ok_or_else(invalid)?),
             _ => return Err(invalid()),
         };
         total = total.checked_add(part).ok_or_else(invalid)?;
@@ -100,6 +101,7 @@ mod tests {
             ("2m", Some(Duration::from_secs(120))),
             ("1h", Some(Duration::from_secs(3600))),
             ("1m30s", Some(Duration::from_secs(90))),
+            ("7d", Some(Duration::from_secs(7 * 24 * 3600))),
             ("0s", Some(Duration::ZERO)),
             ("", None),
             ("s", None),

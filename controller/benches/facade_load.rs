@@ -1,7 +1,7 @@
-//! Facade load benchmark (run by `scripts/bench-facade`): the real controller process
+//! Facade load benchmark (run by `scripts/bench facade`): the real controller process
 //! (the `test-driver` build: its environments are JSON files) on a real nats-server, 200
-//! jobs from the fake Gitea, and 200 concurrent agents, each on its own connection to the
-//! facade's unix socket, claiming its task and streaming 10,000 log rows in UpdateLog
+//! jobs from the fake Gitea, and 200 concurrent agents, each on its own connection to its
+//! environment's own facade socket, claiming its task and streaming 10,000 log rows in UpdateLog
 //! batches the size gitea-runner sends (its reporter flushes what accumulated since the
 //! last tick). Prints the controller's CPU time and memory, p50/p99/max latency per
 //! UpdateLog, rows per second — and fails if Gitea did not store exactly the rows sent,
@@ -13,7 +13,6 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -25,6 +24,7 @@ use testkit::{
     controller_config::ControllerConfig,
     fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN},
     nats::NatsServer,
+    process::ControllerProcess,
 };
 
 fn env_or(name: &str, default: usize) -> usize {
@@ -55,43 +55,23 @@ fn status_kib(pid: u32, field: &str) -> u64 {
         .unwrap()
 }
 
-struct Controller(Child);
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_controller(dir: &Path, gitea: &FakeGitea, nats: &str, capacity: usize) -> (Controller, PathBuf) {
-    let socket = dir.join("facade.sock");
+fn start_controller(dir: &Path, gitea: &FakeGitea, nats: &str, capacity: usize) -> ControllerProcess {
     let port = testkit::free_local_port();
     let config = ControllerConfig::new(dir, &gitea.url(), REGISTRATION_TOKEN)
         .jetstream(nats)
-        .unset("facade.environment_socket_dir")
-        .set("facade.unix_socket", socket.display().to_string())
-        .set("facade.url", format!("unix://{}", socket.display()))
         .set("http.listen", format!("127.0.0.1:{port}"))
         .pool("container.docker", capacity)
         .set("docker.image", "unused-with-the-test-driver")
         .write("controller.toml");
-    let log = std::fs::File::create(dir.join("controller.log")).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_controller"))
-        .args(["run", "--config"])
-        .arg(&config)
+    ControllerProcess::new(env!("CARGO_BIN_EXE_controller"), &config, dir.join("controller.log"))
         .env("GDR_TEST_DRIVER_DIR", dir.join("envs"))
         .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    (Controller(child), socket)
+        .started()
 }
 
-/// (assignment id, capability) of every environment the controller created.
-fn environments(dir: &Path) -> Vec<(String, String)> {
+/// (assignment id, capability, facade socket) of every environment the controller
+/// created: each has its own facade directory beside the driver's.
+fn environments(dir: &Path) -> Vec<(String, String, PathBuf)> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut found = Vec::new();
     for entry in entries.flatten() {
@@ -101,7 +81,10 @@ fn environments(dir: &Path) -> Vec<(String, String)> {
         }
         let Ok(bytes) = std::fs::read(&path) else { continue };
         let Ok(value) = serde_json::from_slice::<serde_json::Value>(&bytes) else { continue };
-        found.push((value["assignment_id"].as_str().unwrap().to_owned(), value["env"]["CI_RUNNER_CAPABILITY"].as_str().unwrap().to_owned()));
+        let (Some(id), Some(instance)) = (value["assignment_id"].as_str(), value["labels"][controller::driver::LABEL_INSTANCE].as_str()) else { continue };
+        let own = dir.with_file_name("environments").join(controller::driver::environment_name(instance, id));
+        let Ok(capability) = std::fs::read_to_string(own.join("capability")) else { continue };
+        found.push((id.to_owned(), capability, own.join("facade.sock")));
     }
     found
 }
@@ -166,8 +149,8 @@ fn main() {
             gitea.add_job(Job::new(&["disposable", "container", "docker"]));
         }
         let dir = tempfile::tempdir().unwrap();
-        let (controller, socket) = start_controller(dir.path(), &gitea, &nats.url, assignments);
-        let pid = controller.0.id();
+        let controller = start_controller(dir.path(), &gitea, &nats.url, assignments);
+        let pid = controller.id().unwrap();
         let envs = dir.path().join("envs");
         let waiting = Instant::now();
         while environments(&envs).len() < assignments {
@@ -179,8 +162,8 @@ fn main() {
         let cpu_before = cpu_seconds(pid);
         let started = Instant::now();
         let mut agents = tokio::task::JoinSet::new();
-        for (id, capability) in environments(&envs) {
-            agents.spawn(agent(socket.clone(), id, capability, rows, batch));
+        for (id, capability, socket) in environments(&envs) {
+            agents.spawn(agent(socket, id, capability, rows, batch));
         }
         let mut latencies = Vec::new();
         let mut tasks = Vec::new();

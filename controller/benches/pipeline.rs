@@ -1,4 +1,4 @@
-//! Scheduler benchmark (run by `scripts/bench-controller`): 1,000 tasks from the fake
+//! Scheduler benchmark (run by `scripts/bench controller`): 1,000 tasks from the fake
 //! Gitea through the real Gitea client and scheduler into each store backend.
 //! Prints assignments persisted per second, p50/p99 latency from FetchTask's reply to
 //! persisted, the rate at which the fake Gitea alone hands out tasks (the ceiling the

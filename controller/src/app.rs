@@ -15,14 +15,14 @@ use crate::{
     assignment::{Placement, capability::CapabilityKey},
     config::{Config, StoreConfig},
     driver::Driver,
-    facade::{self, Facade},
+    facade,
     gitea::registrations::{RegistrationSettings, Registrations},
-    lifecycle::Lifecycle,
     metrics::{Metrics, PlacementLabel},
+    pipeline::Pipeline,
     placements::Placements,
     scheduler::{Scheduler, SchedulerConfig, keepalive::KeepAlive},
     store::{Store, embedded::Embedded, jetstream::JetStream},
-    worker::{EnvironmentSettings, Worker},
+    worker::EnvironmentSettings,
 };
 
 /// Which components this process runs.
@@ -122,11 +122,11 @@ async fn connect_until_up(placement: Placement, config: &Config, shutdown: &Canc
 }
 
 /// `driver`, making one SPIRE entry per environment when its section configures it.
-fn with_spire(driver: Arc<dyn Driver>, spire: Option<&crate::spire::SpireConfig>, config: &Config) -> Arc<dyn Driver> {
+fn with_spire(driver: Arc<dyn Driver>, spire: Option<&crate::driver::spire::SpireConfig>, config: &Config) -> Arc<dyn Driver> {
     match spire {
         Some(spire) => {
-            let registrar = crate::spire::Registrar::new(spire.clone(), driver.placement(), &config.installation());
-            Arc::new(crate::spire::Registered::new(driver, registrar))
+            let registrar = crate::driver::spire::Registrar::new(spire.clone(), driver.placement(), &config.installation());
+            Arc::new(crate::driver::spire::Registered::new(driver, registrar))
         }
         None => driver,
     }
@@ -182,6 +182,43 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
     })
 }
 
+/// The jobs' cache where `[cache]` gives it a place; `None` when it is off (said once,
+/// with what to set, where it is off only for want of a place).
+///
+/// # Errors
+/// When its storage cannot be opened or its credential files read.
+pub fn open_cache(config: &Config, metrics: &Metrics) -> anyhow::Result<Option<Arc<::cache::Cache>>> {
+    let store = match config.cache_storage() {
+        None if config.cache.enabled => {
+            tracing::warn!(
+                "the jobs' cache is off: with a JetStream store it needs [cache.s3] (a bucket the controllers share) or cache.dir (a directory they all \
+                 see); set cache.enabled = false to say it is meant"
+            );
+            return Ok(None);
+        }
+        None => return Ok(None),
+        Some(crate::config::CacheStorage::Directory(dir)) => ::cache::backend::directory(&dir).context("cache.dir")?,
+        Some(crate::config::CacheStorage::S3(s3)) => {
+            let read = |setting: &str, path: &std::path::Path| {
+                std::fs::read_to_string(path).map(|text| text.trim().to_owned()).with_context(|| format!("{setting}: cannot read {}", path.display()))
+            };
+            let settings = ::cache::backend::S3 {
+                bucket: s3.bucket.clone(),
+                endpoint: s3.endpoint.clone(),
+                region: s3.region.clone(),
+                prefix: s3.prefix.clone(),
+                access_key_id: read("cache.s3.access_key_id_file", &s3.access_key_id_file)?,
+                secret_access_key: read("cache.s3.secret_access_key_file", &s3.secret_access_key_file)?,
+                path_style: s3.path_style,
+            };
+            ::cache::backend::s3(&settings).context("cache.s3")?
+        }
+    };
+    let limits = config.cache.limits();
+    tracing::info!(storage = ?config.cache_storage(), max_size = limits.max_total, max_repository_size = limits.max_repository, max_age = ?limits.max_age, "the jobs' cache is on");
+    Ok(Some(Arc::new(::cache::Cache::new(store, limits, Arc::clone(&metrics.cache)))))
+}
+
 /// Runs until `shutdown`, then joins every component (bounded by 30 s).
 ///
 /// # Errors
@@ -218,36 +255,36 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
     warn_where_jobs_may_step_out(&config, &placements);
     let registrations = Registrations::open(&registration_settings(&config), &placements.enabled()).await?;
     let key = Arc::new(CapabilityKey::from_file(&config.facade.capability_key_file).context("facade.capability_key_file")?);
-    let lifecycle = Lifecycle::new(Arc::clone(&store), placements.clone(), registrations.clone());
-    let parts = Parts { store, key, lifecycle, registrations, metrics, rules: config.rules(), placements };
-
-    let settings = environment_settings(&config);
-    // Each docker environment's own facade socket, served where the facade runs.
-    let sockets = match (&config.facade.environment_socket_dir, components.facade) {
-        (Some(dir), true) => {
-            Some(crate::facade::EnvironmentSockets::new(dir, &settings.instance, &settings.socket_placements).context("facade.environment_socket_dir")?)
-        }
-        _ => None,
-    };
-    spawn_workers(&parts, &config, &components, &settings, sockets.as_ref(), &mut tasks, &shutdown);
+    let cache = if components.facade { open_cache(&config, &metrics)? } else { None };
+    let pipeline = Pipeline::builder(store, registrations, config.rules(), key, placements)
+        .cache(cache.clone())
+        .environments(environment_settings(&config))
+        .with_sockets(components.facade)
+        .metrics(metrics)
+        .sweep_interval(config.gitea.reconcile_interval)
+        .session_ttl(config.facade.capability_ttl)
+        .build()
+        .context("facade.environment_socket_dir")?;
+    spawn_workers(&pipeline, &config, &components, &mut tasks, &shutdown);
     if components.facade {
-        spawn_facade(&parts, &config, sockets, &mut tasks, &shutdown).await?;
+        spawn_facade(&pipeline, &config, &mut tasks, &shutdown).await?;
     }
     if components.scheduler {
-        spawn_schedulers(&parts, &config, &wake, &mut tasks, &shutdown);
+        spawn_schedulers(&pipeline, &config, &wake, &mut tasks, &shutdown);
     }
-    spawn_pruning(&parts, &config, &mut tasks, &shutdown);
-    spawn_gauges(&parts, &mut tasks, &shutdown);
-    spawn_readiness(&parts, &mut tasks, &shutdown);
-    tracing::info!(
-        version = env!("CARGO_PKG_VERSION"),
-        revision = contract::REVISION,
-        components = ?components,
-        placements = ?parts.placements.enabled(),
-        "controller running"
-    );
+    spawn_pruning(&pipeline, &config, &mut tasks, &shutdown);
+    if let Some(cache) = cache {
+        let (interval, shutdown) = (config.cache.sweep_interval, shutdown.clone());
+        tasks.spawn(async move {
+            cache.sweep_loop(interval, shutdown).await;
+            Ok(())
+        });
+    }
+    spawn_gauges(&pipeline, &mut tasks, &shutdown);
+    spawn_readiness(&pipeline, &mut tasks, &shutdown);
+    tracing::info!(components = ?components, placements = ?pipeline.placements().enabled(), "controller running");
     let outcome = join(tasks, &shutdown, JOIN_DEADLINE).await;
-    parts.lifecycle.drain(Duration::from_secs(10)).await;
+    pipeline.lifecycle().drain(Duration::from_secs(10)).await;
     outcome
 }
 
@@ -255,17 +292,6 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
 const JOIN_DEADLINE: Duration = Duration::from_secs(30);
 
 type Tasks = tokio::task::JoinSet<anyhow::Result<()>>;
-
-/// What the components of one process share.
-struct Parts {
-    store: Arc<dyn Store>,
-    key: Arc<CapabilityKey>,
-    lifecycle: Lifecycle,
-    registrations: Registrations,
-    metrics: Arc<Metrics>,
-    rules: crate::assignment::Rules,
-    placements: Placements,
-}
 
 /// `http.listen`: metrics, health, readiness, and Gitea's webhook when a secret is set.
 async fn serve_http(
@@ -291,7 +317,8 @@ async fn serve_http(
         }
         None => None,
     };
-    tasks.spawn(named("metrics", crate::metrics::serve(listener, Arc::clone(metrics), hooks, shutdown.clone())));
+    let routes: Vec<Arc<dyn crate::http::Route>> = vec![Arc::new(crate::scheduler::wake::WebhookRoute::new(hooks, Arc::clone(metrics)))];
+    tasks.spawn(named("http", crate::http::serve(listener, Arc::clone(metrics), routes, shutdown.clone())));
     Ok(())
 }
 
@@ -361,100 +388,67 @@ fn environment_settings(config: &Config) -> EnvironmentSettings {
 
 /// One worker per placement whose worker runs here; one whose backend did not answer
 /// at start connects first (retrying until shutdown).
-fn spawn_workers(
-    parts: &Parts,
-    config: &Config,
-    components: &Components,
-    settings: &EnvironmentSettings,
-    sockets: Option<&Arc<crate::facade::EnvironmentSockets>>,
-    tasks: &mut Tasks,
-    shutdown: &CancellationToken,
-) {
-    for runtime in parts.placements.iter().filter(|r| components.worker_for(r.placement)) {
-        let (runtime, config, shutdown) = (Arc::clone(runtime), config.clone(), shutdown.clone());
-        let make = {
-            let (store, key, settings, rules, lifecycle, sockets, metrics) = (
-                Arc::clone(&parts.store),
-                Arc::clone(&parts.key),
-                settings.clone(),
-                parts.rules.clone(),
-                parts.lifecycle.clone(),
-                sockets.cloned(),
-                Arc::clone(&parts.metrics),
-            );
-            move |runtime: &Arc<crate::placements::PlacementRuntime>, driver: Arc<dyn Driver>| {
-                Worker::new(Arc::clone(runtime), driver, store, key, settings, rules, lifecycle)
-                    .with_sweep_interval(config.gitea.reconcile_interval)
-                    .with_sockets(sockets)
-                    .with_metrics(metrics)
-            }
-        };
+fn spawn_workers(pipeline: &Pipeline, config: &Config, components: &Components, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    for served in pipeline.placements().iter().filter(|served| components.worker_for(served.placement)) {
+        let (served, config, shutdown) = (Arc::clone(served), config.clone(), shutdown.clone());
+        let worker = pipeline.worker_factory();
         tasks.spawn(named("worker", async move {
-            let driver = match runtime.driver() {
+            let driver = match served.driver() {
                 Some(driver) => driver,
-                None => match connect_until_up(runtime.placement, &config, &shutdown).await {
+                None => match connect_until_up(served.placement, &config, &shutdown).await {
                     Some(driver) => driver,
                     None => return Ok(()),
                 },
             };
-            runtime.set_driver(Arc::clone(&driver));
-            Arc::new(make(&runtime, driver)).run(shutdown).await
+            served.set_driver(Arc::clone(&driver));
+            Arc::new(worker.make(&served, driver)).run(shutdown).await
         }));
     }
 }
 
 /// The facade on each configured transport: the environments' own sockets, the
 /// development-mode TCP listener, the mTLS listener.
-async fn spawn_facade(
-    parts: &Parts,
-    config: &Config,
-    sockets: Option<Arc<crate::facade::EnvironmentSockets>>,
-    tasks: &mut Tasks,
-    shutdown: &CancellationToken,
-) -> anyhow::Result<()> {
-    let facade = Arc::new(
-        Facade::new(Arc::clone(&parts.store), parts.registrations.clone(), parts.lifecycle.clone(), Arc::clone(&parts.key), parts.rules.clone())
-            .with_metrics(Arc::clone(&parts.metrics))
-            .with_session_ttl(config.facade.capability_ttl),
-    );
-    if let Some(sockets) = sockets {
-        tasks.spawn(named("facade", sockets.serve(Arc::clone(&facade), Arc::clone(&parts.store), shutdown.clone())));
+async fn spawn_facade(pipeline: &Pipeline, config: &Config, tasks: &mut Tasks, shutdown: &CancellationToken) -> anyhow::Result<()> {
+    let facade = pipeline.facade();
+    if let Some(serving) = pipeline.serve_sockets(shutdown.clone()) {
+        tasks.spawn(named("facade", serving));
     }
     if let Some(listen) = config.facade.insecure_listen.clone() {
         let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.insecure_listen {listen}"))?;
         tracing::warn!(%listen, "facade development mode: plain HTTP/2 on a private address, authenticated by the capability alone");
-        tasks.spawn(named("facade", facade::serve_insecure_tcp(Arc::clone(&facade), listener, shutdown.clone())));
+        tasks.spawn(named("facade", facade::serve_insecure_tcp(Arc::clone(facade), listener, shutdown.clone())));
     }
     if let (Some(listen), Some(endpoint)) = (config.facade.listen.clone(), config.facade.spiffe_endpoint_socket.clone()) {
         let source = spiffe::X509Source::builder().endpoint(&endpoint).build().await.with_context(|| format!("facade.spiffe_endpoint_socket {endpoint}"))?;
         let tls = facade::mtls_server_config(source, &config.identity.trust_domain)?;
         let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.listen {listen}"))?;
-        tasks.spawn(named("facade", facade::serve_mtls(facade, listener, tls, shutdown.clone())));
+        tasks.spawn(named("facade", facade::serve_mtls(Arc::clone(facade), listener, tls, shutdown.clone())));
     }
     Ok(())
 }
 
 /// The FetchTask loops of every enabled placement, and the keep-alive of the
 /// assignments nobody reports on yet.
-fn spawn_schedulers(parts: &Parts, config: &Config, wake: &crate::scheduler::wake::Wake, tasks: &mut Tasks, shutdown: &CancellationToken) {
+fn spawn_schedulers(pipeline: &Pipeline, config: &Config, wake: &crate::scheduler::wake::Wake, tasks: &mut Tasks, shutdown: &CancellationToken) {
     let scheduler_config = SchedulerConfig {
-        rules: parts.rules.clone(),
+        rules: pipeline.rules().clone(),
         fetch_interval: config.gitea.fetch_interval,
         fetch_interval_max: config.gitea.fetch_interval_max,
         fetch_timeout: config.gitea.fetch_timeout,
         max_loops: 8,
     };
-    for placement in parts.placements.enabled() {
-        let Some(gitea) = parts.registrations.fetcher(placement).cloned() else { continue };
+    for placement in pipeline.placements().enabled() {
+        let Some(gitea) = pipeline.registrations().fetcher(placement).cloned() else { continue };
         let scheduler = Arc::new(
-            Scheduler::new(placement, gitea, Arc::clone(&parts.store), parts.placements.clone(), scheduler_config.clone())
-                .with_metrics(Arc::clone(&parts.metrics))
+            Scheduler::new(placement, gitea, Arc::clone(pipeline.store()), pipeline.placements().clone(), scheduler_config.clone())
+                .with_metrics(Arc::clone(pipeline.metrics()))
                 .with_wake(wake.clone())
                 .with_lease_ttl(config.gitea.lease_ttl),
         );
         tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
     }
-    let keep_alive = KeepAlive { store: Arc::clone(&parts.store), registrations: parts.registrations.clone(), lifecycle: parts.lifecycle.clone() };
+    let keep_alive =
+        KeepAlive { store: Arc::clone(pipeline.store()), registrations: pipeline.registrations().clone(), lifecycle: pipeline.lifecycle().clone() };
     let interval = config.gitea.keepalive_interval;
     let shutdown = shutdown.clone();
     tasks.spawn(async move {
@@ -464,8 +458,8 @@ fn spawn_schedulers(parts: &Parts, config: &Config, wake: &crate::scheduler::wak
 }
 
 /// Finished records go after the retention (JetStream's bucket ages them out itself).
-fn spawn_pruning(parts: &Parts, config: &Config, tasks: &mut Tasks, shutdown: &CancellationToken) {
-    let (store, retention, shutdown) = (Arc::clone(&parts.store), config.store.retention(), shutdown.clone());
+fn spawn_pruning(pipeline: &Pipeline, config: &Config, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    let (store, retention, shutdown) = (Arc::clone(pipeline.store()), config.store.retention(), shutdown.clone());
     tasks.spawn(async move {
         while !shutdown.is_cancelled() {
             let before = crate::store::now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
@@ -484,14 +478,15 @@ fn spawn_pruning(parts: &Parts, config: &Config, tasks: &mut Tasks, shutdown: &C
 }
 
 /// Gauges that come from elsewhere, refreshed every few seconds.
-fn spawn_gauges(parts: &Parts, tasks: &mut Tasks, shutdown: &CancellationToken) {
-    let (store, metrics, placements, shutdown) = (Arc::clone(&parts.store), Arc::clone(&parts.metrics), parts.placements.clone(), shutdown.clone());
+fn spawn_gauges(pipeline: &Pipeline, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    let (store, metrics, placements, shutdown) =
+        (Arc::clone(pipeline.store()), Arc::clone(pipeline.metrics()), pipeline.placements().clone(), shutdown.clone());
     tasks.spawn(async move {
         while !shutdown.is_cancelled() {
-            for runtime in placements.iter() {
-                let label = PlacementLabel { placement: runtime.placement.to_string() };
-                metrics.pool_in_use.get_or_create(&label).set(i64::try_from(runtime.pool.in_use()).unwrap_or(i64::MAX));
-                if let Ok(depth) = store.queue_depth(runtime.placement).await {
+            for served in placements.iter() {
+                let label = PlacementLabel { placement: served.placement.to_string() };
+                metrics.pool_in_use.get_or_create(&label).set(i64::try_from(served.pool.in_use()).unwrap_or(i64::MAX));
+                if let Ok(depth) = store.queue_depth(served.placement).await {
                     metrics.queue_depth.get_or_create(&label).set(i64::try_from(depth).unwrap_or(i64::MAX));
                 }
             }
@@ -506,8 +501,8 @@ fn spawn_gauges(parts: &Parts, tasks: &mut Tasks, shutdown: &CancellationToken) 
 
 /// Ready while the store answers: during a NATS outage nothing can be persisted,
 /// claimed or finished, and a load balancer should know.
-fn spawn_readiness(parts: &Parts, tasks: &mut Tasks, shutdown: &CancellationToken) {
-    let (store, metrics, shutdown) = (Arc::clone(&parts.store), Arc::clone(&parts.metrics), shutdown.clone());
+fn spawn_readiness(pipeline: &Pipeline, tasks: &mut Tasks, shutdown: &CancellationToken) {
+    let (store, metrics, shutdown) = (Arc::clone(pipeline.store()), Arc::clone(pipeline.metrics()), shutdown.clone());
     metrics.set_ready(true);
     tasks.spawn(async move {
         let mut was_ready = true;

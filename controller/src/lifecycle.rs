@@ -110,18 +110,14 @@ impl Lifecycle {
         let name = result_name(result);
         let deadline = tokio::time::Instant::now() + FINISH_RETRY;
         let mut pauses = contract::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
-        let modified = loop {
-            let modified =
-                store::modify(self.store.as_ref(), assignment_id, |current| (!current.is_terminal()).then(|| current.ended(name.clone(), reason))).await;
-            let pause = pauses.next_delay();
-            match modified {
-                Err(StoreError::Unavailable { .. }) if tokio::time::Instant::now() + pause < deadline => {
-                    tracing::warn!(assignment.id = assignment_id, "the store is unavailable; retrying to record the end");
-                    tokio::time::sleep(pause).await;
-                }
-                other => break other,
-            }
-        };
+        let modified = contract::backoff::retry_until(
+            deadline,
+            &mut pauses,
+            |error| matches!(error, StoreError::Unavailable { .. }),
+            |_, _| tracing::warn!(assignment.id = assignment_id, "the store is unavailable; retrying to record the end"),
+            || store::modify(self.store.as_ref(), assignment_id, |current| (!current.is_terminal()).then(|| current.ended(name.clone(), reason))),
+        )
+        .await;
         let record = modified?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
         self.release(&record);
         tracing::info!(assignment.id = assignment_id, result = %name, "assignment finished");

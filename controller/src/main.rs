@@ -1,13 +1,26 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use controller::{cli::Cli, run, telemetry};
+use controller::{
+    cli::Cli,
+    commands::{Build, run},
+    telemetry,
+};
+
+/// The revision comes from scripts/build-static (GDR_REVISION): only this file reads
+/// it, so a new commit rebuilds this binary's main and nothing else.
+const BUILD: Build = Build {
+    version: env!("CARGO_PKG_VERSION"),
+    revision: match option_env!("GDR_REVISION") {
+        Some(revision) => revision,
+        None => "unknown",
+    },
+};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let default_level = if matches!(cli.command, controller::cli::Command::RunLocal(_)) { "warn" } else { "info" };
-    telemetry::init(cli.log_json, default_level);
-    match run(cli) {
+    telemetry::init(cli.log_json, "info");
+    match run(cli, BUILD) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("controller: {error:#}");

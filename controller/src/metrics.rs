@@ -1,6 +1,5 @@
-//! Operability: Prometheus metrics, `/healthz` and `/readyz` on one small HTTP
-//! listener — which also takes Gitea's `workflow_job` webhook at `POST /hooks/gitea`
-//! when one is configured (see [`crate::scheduler::wake`]).
+//! Operability: the Prometheus registry, and what `/healthz` and `/readyz` answer
+//! (served by [`crate::http`]).
 //!
 //! - `/healthz` fails when a loop that must keep turning (fetch loops, workers, sweeps)
 //!   has not reported for [`STALLED_AFTER`]: a process whose scheduling is stuck gets
@@ -11,9 +10,8 @@
 
 use std::{
     collections::BTreeMap,
-    convert::Infallible,
     sync::{
-        Arc, Mutex, PoisonError,
+        Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
@@ -22,14 +20,11 @@ use std::{
 /// How long a loop may stay silent before `/healthz` calls the process stuck.
 pub const STALLED_AFTER: Duration = Duration::from_secs(300);
 
-use bytes::Bytes;
-use http_body_util::Full;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
-use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PlacementLabel {
@@ -58,6 +53,8 @@ pub struct Metrics {
     pub webhook_deliveries: Family<KindLabel, Counter>,
     /// 1 while a placement's registration fetches, 0 once Gitea no longer knows it.
     pub placement_fetching: Family<PlacementLabel, Gauge>,
+    /// The jobs' cache: hits, misses, bytes, evictions, what it stores (`gdr_cache_*`).
+    pub cache: std::sync::Arc<cache::CacheMetrics>,
     ready: AtomicBool,
     /// Placement → what its registration is doing, for `/readyz`.
     placements: Mutex<BTreeMap<String, PlacementStatus>>,
@@ -107,6 +104,8 @@ impl Metrics {
         registry.register("claim_latency_seconds", "From persisted to claimed", claim_latency.clone());
         registry.register("errors", "Errors by kind", errors.clone());
         registry.register("webhook_deliveries", "Gitea webhook deliveries by outcome (queued: the fetch loops were woken)", webhook_deliveries.clone());
+        let cache = std::sync::Arc::new(cache::CacheMetrics::default());
+        cache.register(&mut registry);
         Metrics {
             registry,
             queue_depth,
@@ -119,6 +118,7 @@ impl Metrics {
             errors,
             webhook_deliveries,
             placement_fetching,
+            cache,
             ready: AtomicBool::new(false),
             placements: Mutex::new(BTreeMap::new()),
             beats: Mutex::new(BTreeMap::new()),
@@ -153,7 +153,8 @@ impl Metrics {
         beats.iter().map(|(name, at)| (name.clone(), at.elapsed())).filter(|(_, silent)| *silent > limit).collect()
     }
 
-    fn readiness(&self) -> (bool, String) {
+    /// Whether the process is ready, and the state of each placement.
+    pub fn readiness(&self) -> (bool, String) {
         let placements = self.placements.lock().unwrap_or_else(PoisonError::into_inner);
         let mut body = String::new();
         for (placement, status) in placements.iter() {
@@ -196,109 +197,6 @@ impl Metrics {
     }
 }
 
-/// Gitea's webhook, where one is configured: its secret and whom it wakes.
-pub type Hooks = Option<(crate::scheduler::wake::Webhook, crate::scheduler::wake::Wake)>;
-
-/// Serves `/metrics`, `/healthz` (alive) and `/readyz` (registered with Gitea and the
-/// store reachable), and `POST /hooks/gitea` with `hooks`, until `shutdown`.
-///
-/// # Errors
-/// When accepting fails for good.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, hooks: Hooks, shutdown: CancellationToken) -> std::io::Result<()> {
-    let mut connections = tokio::task::JoinSet::new();
-    let hooks = Arc::new(hooks);
-    loop {
-        let (stream, _) = tokio::select! {
-            () = shutdown.cancelled() => break,
-            accepted = listener.accept() => accepted?,
-        };
-        let (metrics, hooks) = (Arc::clone(&metrics), Arc::clone(&hooks));
-        connections.spawn(async move {
-            let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
-                let (metrics, hooks) = (Arc::clone(&metrics), Arc::clone(&hooks));
-                async move {
-                    if request.uri().path() == "/hooks/gitea" {
-                        return Ok::<_, Infallible>(hook(request, &hooks, &metrics).await);
-                    }
-                    Ok::<_, Infallible>(answer(request.uri().path(), &metrics))
-                }
-            });
-            let _ = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
-        });
-        while connections.try_join_next().is_some() {}
-    }
-    connections.shutdown().await;
-    Ok(())
-}
-
-/// `POST /hooks/gitea`: a signed `workflow_job` "queued" wakes the fetch loops.
-async fn hook(request: http::Request<hyper::body::Incoming>, hooks: &Hooks, metrics: &Metrics) -> http::Response<Full<Bytes>> {
-    use crate::scheduler::wake::{Delivery, MAX_BODY};
-    use http_body_util::BodyExt as _;
-    let Some((webhook, wake)) = hooks else {
-        return respond(404, "no webhook is configured here: set gitea.webhook_secret_file\n".to_owned());
-    };
-    if request.method() != http::Method::POST {
-        return respond(405, "POST Gitea's webhook deliveries here\n".to_owned());
-    }
-    let header = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let (signature, event) = (header("x-gitea-signature"), header("x-gitea-event"));
-    let Ok(body) = http_body_util::Limited::new(request.into_body(), MAX_BODY).collect().await.map(http_body_util::Collected::to_bytes) else {
-        return respond(413, format!("a delivery is at most {MAX_BODY} bytes\n"));
-    };
-    let delivery = webhook.judge(signature.as_deref(), event.as_deref(), &body);
-    let outcome = match delivery {
-        Delivery::Queued => "queued",
-        Delivery::Ignored => "ignored",
-        Delivery::BadSignature => "bad_signature",
-        Delivery::Malformed => "malformed",
-    };
-    metrics.webhook_deliveries.get_or_create(&KindLabel { kind: outcome.to_owned() }).inc();
-    match delivery {
-        Delivery::Queued => {
-            wake.wake();
-            respond(200, "fetching\n".to_owned())
-        }
-        Delivery::Ignored => respond(200, "nothing to do\n".to_owned()),
-        Delivery::BadSignature => {
-            tracing::warn!(
-                "a webhook delivery without a valid X-Gitea-Signature was refused: check that Gitea's webhook secret is gitea.webhook_secret_file's"
-            );
-            respond(401, "the signature does not match the shared secret\n".to_owned())
-        }
-        Delivery::Malformed => respond(400, "the body is not a JSON object\n".to_owned()),
-    }
-}
-
-fn respond(status: u16, body: String) -> http::Response<Full<Bytes>> {
-    let mut response = http::Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::OK);
-    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain"));
-    response
-}
-
-fn answer(path: &str, metrics: &Metrics) -> http::Response<Full<Bytes>> {
-    let (status, content_type, body) = match path {
-        "/metrics" => (200, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
-        "/healthz" => match metrics.stalled(STALLED_AFTER).as_slice() {
-            [] => (200, "text/plain", "ok\n".to_owned()),
-            stalled => {
-                let list: Vec<String> = stalled.iter().map(|(name, silent)| format!("{name}: silent for {}s", silent.as_secs())).collect();
-                (503, "text/plain", format!("stalled: {}\n", list.join(", ")))
-            }
-        },
-        "/readyz" => {
-            let (ready, body) = metrics.readiness();
-            (if ready { 200 } else { 503 }, "text/plain", body)
-        }
-        _ => (404, "text/plain", "not found: try /metrics, /healthz or /readyz\n".to_owned()),
-    };
-    let mut response = http::Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::OK);
-    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static(content_type));
-    response
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,6 +215,8 @@ mod tests {
             "gdr_job_startup_seconds_count 1",
             "gdr_claim_latency_seconds",
             "gdr_pool_in_use",
+            "gdr_cache_hits_total",
+            "gdr_cache_saved_total",
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
@@ -325,9 +225,9 @@ mod tests {
     #[test]
     fn readiness_follows_the_store_and_the_placements() {
         let metrics = Metrics::new();
-        assert_eq!(answer("/readyz", &metrics).status(), 503);
+        assert!(!metrics.readiness().0);
         metrics.set_ready(true);
-        assert_eq!(answer("/readyz", &metrics).status(), 200);
+        assert!(metrics.readiness().0);
         metrics.placement("container.docker", PlacementStatus::Fetching);
         metrics.placement("vm.opensandbox", PlacementStatus::Stopped("Gitea no longer knows this runner".into()));
         let (ready, body) = metrics.readiness();
@@ -335,14 +235,13 @@ mod tests {
         assert!(body.contains("vm.opensandbox: stopped: Gitea no longer knows this runner") && body.contains("container.docker: fetching"), "{body}");
         assert!(metrics.encode().contains("gdr_placement_fetching{placement=\"vm.opensandbox\"} 0"));
         metrics.placement("container.docker", PlacementStatus::Stopped("deleted".into()));
-        assert_eq!(answer("/readyz", &metrics).status(), 503);
-        assert_eq!(answer("/nope", &metrics).status(), 404);
+        assert!(!metrics.readiness().0);
     }
 
     #[test]
     fn health_fails_when_a_loop_stops_reporting() {
         let metrics = Metrics::new();
-        assert_eq!(answer("/healthz", &metrics).status(), 200);
+        assert!(metrics.stalled(STALLED_AFTER).is_empty());
         metrics.beat("worker container.docker");
         assert!(metrics.stalled(Duration::from_secs(60)).is_empty());
         std::thread::sleep(Duration::from_millis(20));

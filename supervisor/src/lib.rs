@@ -10,12 +10,13 @@
 //!   and its pass-through to Gitea, readiness.
 //! - [`tools`]: `supervisor job-started` and `supervisor doctor`.
 //! - [`cli`]: every setting, parsed and validated before any side effect; [`exit`]:
-//!   every exit code in one place.
+//!   every exit code in one place; [`signals`]: the signals that reach the job.
 
 pub mod agent;
 pub mod cli;
 pub mod exit;
 pub mod pid1;
+pub mod signals;
 pub mod tools;
 
 pub use contract::error_chain;

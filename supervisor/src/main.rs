@@ -12,6 +12,13 @@ use supervisor::{
     tools::{doctor, job_started},
 };
 
+/// The revision comes from scripts/build-static (GDR_REVISION): only this file reads it,
+/// so a new commit rebuilds this binary's main and no library.
+const REVISION: &str = match option_env!("GDR_REVISION") {
+    Some(revision) => revision,
+    None => "unknown",
+};
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -28,6 +35,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(exit::INTERNAL);
             }
             init_logging("supervisor");
+            tracing::info!(version = env!("CARGO_PKG_VERSION"), revision = REVISION, "supervisor");
             let contract = contract::environment::Contract::from_process_env();
             if let Err(message) = supervisor::cli::apply_contract(&mut args, &contract).and_then(|()| supervisor::cli::validate(&args)) {
                 eprintln!("error: {message}\n\nFor more information, try 'supervisor run --help'.");
@@ -50,7 +58,7 @@ fn main() -> ExitCode {
         }
         Command::Activate(args) => pid1::dockerd::activate(&args),
         Command::Version => {
-            println!("supervisor {} (revision {})", env!("CARGO_PKG_VERSION"), contract::REVISION);
+            println!("supervisor {} (revision {REVISION})", env!("CARGO_PKG_VERSION"));
             0
         }
     };

@@ -29,7 +29,10 @@ use bollard::{
 use serde::Deserialize;
 
 use super::{Driver, DriverError, Environment, EnvironmentSpec, LABEL_ASSIGNMENT, LABEL_MANAGED, Phase};
-use crate::{assignment::placement::Placement, config::ConfigError};
+use crate::{
+    assignment::placement::Placement,
+    setting::{Invalid, Problems},
+};
 
 /// How containers are made.
 #[derive(Debug, Clone, Deserialize)]
@@ -152,44 +155,43 @@ impl DockerConfig {
     ///
     /// # Errors
     /// The setting that is wrong, and why.
-    pub fn limits(&self) -> Result<(i64, i64), ConfigError> {
-        let memory = contract::units::parse_size(&self.memory).map_err(|m| ConfigError::invalid("docker.memory", m))?;
+    pub fn limits(&self) -> Result<(i64, i64), Invalid> {
+        let memory = contract::units::parse_size(&self.memory).map_err(|m| Invalid::new("docker.memory", m))?;
         if memory < 256 << 20 {
-            return Err(ConfigError::invalid("docker.memory", format!("{:?} is too little for a job and its dockerd: at least 256M", self.memory)));
+            return Err(Invalid::new("docker.memory", format!("{:?} is too little for a job and its dockerd: at least 256M", self.memory)));
         }
-        let cpus: f64 =
-            self.cpus.trim().parse().map_err(|_| ConfigError::invalid("docker.cpus", format!("{:?} is not a number of CPUs, e.g. 2 or 0.5", self.cpus)))?;
+        let cpus: f64 = self.cpus.trim().parse().map_err(|_| Invalid::new("docker.cpus", format!("{:?} is not a number of CPUs, e.g. 2 or 0.5", self.cpus)))?;
         if !(0.01..=1024.0).contains(&cpus) {
-            return Err(ConfigError::invalid("docker.cpus", format!("{:?} must be between 0.01 and 1024", self.cpus)));
+            return Err(Invalid::new("docker.cpus", format!("{:?} must be between 0.01 and 1024", self.cpus)));
         }
         Ok((i64::try_from(memory).unwrap_or(i64::MAX), (cpus * 1e9) as i64))
     }
 
-    /// # Errors
-    /// The setting that is wrong, and why.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        self.limits()?;
+    pub fn validate(&self, problems: &mut Problems) {
+        problems.take(self.limits());
         if self.job_dockerd && !self.privileged && self.cap_add.is_empty() {
-            return Err(ConfigError::invalid(
+            problems.add(
                 "docker.job_dockerd",
                 "a job-local dockerd needs a container that mounts loop devices: set privileged = true, or the capability and device lists \
                  (cap_add = [\"ALL\"], device_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"], security_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"])",
-            ));
+            );
         }
         if !self.job_dockerd && (self.privileged || !self.cap_add.is_empty() || !self.device_cgroup_rules.is_empty()) {
-            return Err(ConfigError::invalid(
+            problems.add(
                 "docker.privileged",
                 "privileges and capability lists are for a job-local dockerd only: set job_dockerd = true (trusted code only), or remove them",
-            ));
+            );
         }
         if self.pids_limit < 64 {
-            return Err(ConfigError::invalid("docker.pids_limit", format!("{} is too few for a job and its dockerd: at least 64", self.pids_limit)));
+            problems.add("docker.pids_limit", format!("{} is too few for a job and its dockerd: at least 64", self.pids_limit));
         }
-        let storage = contract::units::parse_size(&self.storage_size).map_err(|m| ConfigError::invalid("docker.storage_size", m))?;
-        if storage < 1 << 30 {
-            return Err(ConfigError::invalid("docker.storage_size", format!("{:?} is too small for a job's images: at least 1G", self.storage_size)));
+        match contract::units::parse_size(&self.storage_size) {
+            Ok(storage) if storage < 1 << 30 => {
+                problems.add("docker.storage_size", format!("{:?} is too small for a job's images: at least 1G", self.storage_size));
+            }
+            Ok(_) => {}
+            Err(message) => problems.add("docker.storage_size", message),
         }
-        Ok(())
     }
 
     /// What a job step can reach in these containers, said once at start (docs/security.md).
@@ -205,18 +207,11 @@ impl DockerConfig {
 
     /// [`DockerConfig::validate`] and what only a configuration file must hold (tests and
     /// run-local stop their containers sooner).
-    ///
-    /// # Errors
-    /// The setting that is wrong, and why.
-    pub fn validate_configured(&self) -> Result<(), ConfigError> {
-        self.validate()?;
+    pub fn validate_configured(&self, problems: &mut Problems) {
+        self.validate(problems);
         if self.stop_seconds < 30 {
-            return Err(ConfigError::invalid(
-                "docker.stop_seconds",
-                format!("{} is shorter than the supervisor's drain (25 s): at least 30", self.stop_seconds),
-            ));
+            problems.add("docker.stop_seconds", format!("{} is shorter than the supervisor's drain (25 s): at least 30", self.stop_seconds));
         }
-        Ok(())
     }
 }
 
@@ -234,7 +229,7 @@ impl DockerDriver {
     /// When the socket is missing or the daemon does not answer.
     pub async fn connect(config: DockerConfig) -> Result<Self, DriverError> {
         let unavailable = |detail: String| DriverError::Unavailable { placement: Placement::CONTAINER_DOCKER.to_string(), detail };
-        config.validate().map_err(|error| unavailable(error.to_string()))?;
+        Problems::check(|problems| config.validate(problems)).map_err(|problems| unavailable(problems.to_string()))?;
         let docker = Docker::connect_with_unix(&config.socket, 120, bollard::API_DEFAULT_VERSION)
             .map_err(|e| unavailable(format!("cannot use the Docker socket {}: {e}", config.socket)))?
             .negotiate_version()

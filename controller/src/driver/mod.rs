@@ -16,6 +16,7 @@ pub mod directory;
 pub mod docker;
 pub mod kubernetes;
 pub mod opensandbox;
+pub mod spire;
 
 /// Labels every environment carries (recovery metadata).
 pub const LABEL_ASSIGNMENT: &str = "gitea-dynamic-runner/assignment-id";

@@ -33,6 +33,7 @@ use crate::{
     store::{self, Record, State, Store, StoreError, Versioned, now_ms},
 };
 
+pub mod cache;
 mod limit;
 pub mod sockets;
 mod transport;
@@ -102,6 +103,8 @@ pub struct Facade {
     /// Reports per assignment: one environment cannot flood the controller every
     /// environment shares, nor Gitea behind it.
     reports: limit::PerAssignment,
+    /// The jobs' cache, served on the facade's transport (`cache`), when configured.
+    cache: Option<Arc<::cache::Cache>>,
 }
 
 /// Seconds since `from_ms`, for the histograms.
@@ -120,7 +123,24 @@ impl Facade {
             metrics: None,
             session_ttl: std::time::Duration::from_secs(24 * 3600),
             reports: limit::PerAssignment::new(limit::REPORTS_PER_SECOND, limit::REPORTS_BURST),
+            cache: None,
         }
+    }
+
+    /// Serves `cache` to the environments on the facade's transport.
+    pub fn with_cache(mut self, cache: Option<Arc<::cache::Cache>>) -> Self {
+        self.cache = cache;
+        self
+    }
+
+    /// The cache route of the facade's server, when a cache is configured.
+    pub fn cache_route(self: &Arc<Self>) -> Option<cache::CacheRoute> {
+        self.cache.clone().map(|cache| cache::CacheRoute::new(Arc::clone(self), cache))
+    }
+
+    /// A call with the session capability of `credential`'s assignment (the cache's).
+    pub(crate) async fn authorize_session(&self, peer: &Peer, credential: &AssignmentCredential) -> Result<(Versioned<Record>, Assignment), Status> {
+        self.authorize(peer, Some(credential), Scope::Session).await
     }
 
     /// Reports per assignment and second, and the burst allowed (tests that hammer one
@@ -230,9 +250,7 @@ impl Facade {
                 }
                 State::Pending => {
                     let claimed_at_ms = now_ms();
-                    let mut next = record.value.clone();
-                    next.state = State::Claimed { holder: holder.clone(), claimed_at_ms };
-                    next.updated_at_ms = claimed_at_ms;
+                    let next = record.value.claimed_by(&holder, claimed_at_ms);
                     match self.store.update(&next, record.revision).await {
                         Ok(_) => {
                             tracing::info!(assignment.id = %assignment.id, task_id = assignment.task.id, "claimed");
@@ -354,16 +372,7 @@ impl Facade {
         // Kept on the record so that an environment that dies afterwards is reported
         // with what it last said, and its start-up can be read back (best effort: a phase
         // is not worth failing a call).
-        if let Err(error) = store::modify(self.store.as_ref(), &assignment.id, |current| {
-            let mut timeline = current.timeline.clone();
-            if timeline.len() < MAX_TIMELINE {
-                timeline.push((name.clone(), at_ms));
-            }
-            let phase = if current.is_terminal() { current.phase.clone() } else { Some(summary.clone()) };
-            Some(Record { phase, timeline, ..current.clone() })
-        })
-        .await
-        {
+        if let Err(error) = store::modify(self.store.as_ref(), &assignment.id, |current| Some(current.with_phase(&summary, &name, at_ms, MAX_TIMELINE))).await {
             tracing::warn!(assignment.id = %assignment.id, error = %crate::error_chain(&error), "cannot record the phase");
         }
         Ok(ReportPhaseResponse {})

@@ -96,6 +96,10 @@ pub async fn serve_insecure_tcp(
     serve_connections(facade, incoming, shutdown).await
 }
 
+/// HTTP/2 flow-control windows of the facade's server (and the supervisor's client).
+pub const STREAM_WINDOW: u32 = 4 << 20;
+pub const CONNECTION_WINDOW: u32 = 16 << 20;
+
 /// The facade's gRPC server over connections whose [`Peer`] a listener established.
 pub(super) async fn serve_connections<S>(
     facade: Arc<Facade>,
@@ -105,9 +109,15 @@ pub(super) async fn serve_connections<S>(
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
+    let cache = facade.cache_route();
     tonic::transport::Server::builder()
+        // An archive streams through one connection with the reports: windows large
+        // enough that a cache download is not a trickle of 64 KiB round trips.
+        .initial_stream_window_size(Some(STREAM_WINDOW))
+        .initial_connection_window_size(Some(CONNECTION_WINDOW))
         .layer(tower::util::MapResponseLayer::new(oversize_is_resource_exhausted))
         .add_service(facade.service())
+        .add_optional_service(cache)
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
         .await
         .map_err(FacadeError::Serve)

@@ -253,18 +253,16 @@ impl Gitea {
         let options = CallOptions::default().with_timeout(RPC_TIMEOUT);
         let mut delays = contract::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
         let give_up = tokio::time::Instant::now() + Duration::from_secs(300);
-        loop {
-            let result = self.client.unary::<Req, Resp>(&format!("{SERVICE}{method}"), request, &options).await;
-            let delay = delays.next_delay();
-            match result {
-                Ok(response) => return Ok(response),
-                Err(error) if error.code == Code::Unavailable && tokio::time::Instant::now() + delay < give_up => {
-                    tracing::warn!(call = method, %error, retry_in = ?delay, "Gitea unavailable; retrying");
-                    tokio::time::sleep(delay).await;
-                }
-                Err(error) => return Err(self.classify(method, error)),
-            }
-        }
+        let procedure = format!("{SERVICE}{method}");
+        contract::backoff::retry_until(
+            give_up,
+            &mut delays,
+            |error: &ConnectError| error.code == Code::Unavailable,
+            |error, delay| tracing::warn!(call = method, %error, retry_in = ?delay, "Gitea unavailable; retrying"),
+            || self.client.unary::<Req, Resp>(&procedure, request, &options),
+        )
+        .await
+        .map_err(|error| self.classify(method, error))
     }
 
     fn classify(&self, call: &'static str, error: ConnectError) -> GiteaError {

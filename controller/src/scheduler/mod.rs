@@ -1,5 +1,5 @@
 //! The scheduler: for each placement's Gitea registration, FetchTask loops that turn
-//! tasks into persisted assignments — only while the placement's [`Admission`] has
+//! tasks into persisted assignments — only while the placement's [`Admission`](crate::placements::Admission) has
 //! room. A task Gitea hands over is "running" there from that moment and cannot be
 //! handed back, so a full placement stops fetching and its backlog waits in Gitea.
 //!
@@ -415,42 +415,51 @@ impl Scheduler {
             runtime.admission.admit(&assignment.id);
         }
         let record = Record::pending(&assignment.id, assignment.placement, self.gitea.runner_uuid(), assignment.encode(), fetched_at_ms);
-        let mut attempt = 0u32;
-        let mut retry = retry_backoff();
-        loop {
-            match self.store.persist(&record).await {
-                Ok(created) => {
-                    runtime.admission.persisted(&record.assignment_id);
-                    tracing::info!(assignment.id = %record.assignment_id, task_id, placement = %record.placement, created, "assignment persisted");
-                    self.observe(if created {
-                        Outcome::Persisted { assignment_id: record.assignment_id.clone(), placement: record.placement, latency: fetched.elapsed() }
-                    } else {
-                        Outcome::AlreadyPersisted { assignment_id: record.assignment_id.clone() }
-                    });
-                    return;
-                }
-                Err(error @ crate::store::StoreError::TooLarge { .. }) => {
+        // The task is ours alone now: keep trying, this assignment only — with no deadline
+        // but shutdown, after which it gives up once it has failed 20 times. A record too
+        // large to store cannot be stored by any retry.
+        let failures = std::sync::atomic::AtomicU32::new(0);
+        let persisted = contract::backoff::retry_until(
+            tokio::time::Instant::now() + PERSIST_PATIENCE,
+            &mut retry_backoff(),
+            |error| {
+                let permanent = matches!(error, crate::store::StoreError::TooLarge { .. });
+                let given_up = shutdown.is_cancelled() && failures.load(Ordering::SeqCst) > 20;
+                !(permanent || given_up)
+            },
+            |error, _| {
+                let attempt = failures.load(Ordering::SeqCst);
+                tracing::warn!(assignment.id = %record.assignment_id, task_id, attempt, %error, "persisting failed; retrying");
+            },
+            || async {
+                let persisted = self.store.persist(&record).await;
+                if let Err(error) = &persisted {
+                    failures.fetch_add(1, Ordering::SeqCst);
                     if let Some(metrics) = &self.metrics {
                         metrics.error(error.metric_label());
                     }
-                    // No retry can store it: the task fails in Gitea with the reason.
-                    runtime.admission.release(&record.assignment_id);
-                    self.reject(task_id, &format!("the controller cannot store this task: {error}")).await;
-                    return;
                 }
-                Err(error) => {
-                    attempt += 1;
-                    if let Some(metrics) = &self.metrics {
-                        metrics.error(error.metric_label());
-                    }
-                    // The task is ours alone now: keep trying, this assignment only.
-                    tracing::warn!(assignment.id = %record.assignment_id, task_id, attempt, %error, "persisting failed; retrying");
-                    if shutdown.is_cancelled() && attempt > 20 {
-                        tracing::error!(assignment.id = %record.assignment_id, task_id, "giving up on persisting at shutdown; Gitea will time the task out");
-                        return;
-                    }
-                    tokio::time::sleep(retry.next_delay()).await;
-                }
+                persisted
+            },
+        )
+        .await;
+        match persisted {
+            Ok(created) => {
+                runtime.admission.persisted(&record.assignment_id);
+                tracing::info!(assignment.id = %record.assignment_id, task_id, placement = %record.placement, created, "assignment persisted");
+                self.observe(if created {
+                    Outcome::Persisted { assignment_id: record.assignment_id.clone(), placement: record.placement, latency: fetched.elapsed() }
+                } else {
+                    Outcome::AlreadyPersisted { assignment_id: record.assignment_id.clone() }
+                });
+            }
+            Err(error @ crate::store::StoreError::TooLarge { .. }) => {
+                // No retry can store it: the task fails in Gitea with the reason.
+                runtime.admission.release(&record.assignment_id);
+                self.reject(task_id, &format!("the controller cannot store this task: {error}")).await;
+            }
+            Err(error) => {
+                tracing::error!(assignment.id = %record.assignment_id, task_id, %error, "giving up on persisting at shutdown; Gitea will time the task out");
             }
         }
     }
@@ -542,6 +551,9 @@ fn note_reply(shared: &AtomicI64, sent: i64, replied: i64, got_task: bool) {
 fn retry_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(200), Duration::from_secs(10))
 }
+
+/// How long a persist is retried: for good (thirty years; only shutdown stops it).
+const PERSIST_PATIENCE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
 
 #[cfg(test)]
 mod tests {

@@ -11,6 +11,11 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
+use crate::{
+    http::{Route, respond},
+    metrics::{KindLabel, Metrics},
+};
+
 /// The most a webhook body may be (Gitea's `workflow_job` payloads are a few KiB).
 pub const MAX_BODY: usize = 1 << 20;
 
@@ -79,6 +84,64 @@ impl Webhook {
         let Ok(serde_json::Value::Object(payload)) = serde_json::from_slice::<serde_json::Value>(body) else { return Delivery::Malformed };
         let queued = event == Some("workflow_job") && payload.get("action").and_then(serde_json::Value::as_str) == Some("queued");
         if queued { Delivery::Queued } else { Delivery::Ignored }
+    }
+}
+
+/// `POST /hooks/gitea` on the HTTP listener: a signed `workflow_job` "queued" wakes
+/// the fetch loops. Without a configured secret it says how to configure one.
+#[derive(Debug)]
+pub struct WebhookRoute {
+    hooks: Option<(Webhook, Wake)>,
+    metrics: Arc<Metrics>,
+}
+
+impl WebhookRoute {
+    pub fn new(hooks: Option<(Webhook, Wake)>, metrics: Arc<Metrics>) -> Self {
+        WebhookRoute { hooks, metrics }
+    }
+}
+
+#[async_trait::async_trait]
+impl Route for WebhookRoute {
+    fn path(&self) -> &'static str {
+        "/hooks/gitea"
+    }
+
+    async fn handle(&self, request: http::Request<hyper::body::Incoming>) -> crate::http::Response {
+        use http_body_util::BodyExt as _;
+        let Some((webhook, wake)) = &self.hooks else {
+            return respond(404, "no webhook is configured here: set gitea.webhook_secret_file\n".to_owned());
+        };
+        if request.method() != http::Method::POST {
+            return respond(405, "POST Gitea's webhook deliveries here\n".to_owned());
+        }
+        let header = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let (signature, event) = (header("x-gitea-signature"), header("x-gitea-event"));
+        let Ok(body) = http_body_util::Limited::new(request.into_body(), MAX_BODY).collect().await.map(http_body_util::Collected::to_bytes) else {
+            return respond(413, format!("a delivery is at most {MAX_BODY} bytes\n"));
+        };
+        let delivery = webhook.judge(signature.as_deref(), event.as_deref(), &body);
+        let outcome = match delivery {
+            Delivery::Queued => "queued",
+            Delivery::Ignored => "ignored",
+            Delivery::BadSignature => "bad_signature",
+            Delivery::Malformed => "malformed",
+        };
+        self.metrics.webhook_deliveries.get_or_create(&KindLabel { kind: outcome.to_owned() }).inc();
+        match delivery {
+            Delivery::Queued => {
+                wake.wake();
+                respond(200, "fetching\n".to_owned())
+            }
+            Delivery::Ignored => respond(200, "nothing to do\n".to_owned()),
+            Delivery::BadSignature => {
+                tracing::warn!(
+                    "a webhook delivery without a valid X-Gitea-Signature was refused: check that Gitea's webhook secret is gitea.webhook_secret_file's"
+                );
+                respond(401, "the signature does not match the shared secret\n".to_owned())
+            }
+            Delivery::Malformed => respond(400, "the body is not a JSON object\n".to_owned()),
+        }
     }
 }
 

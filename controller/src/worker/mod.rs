@@ -1,5 +1,5 @@
 //! A worker per placement: consumes its queue and creates one environment per
-//! assignment within the placement's [`Pool`](pool::Pool); watches its environments and
+//! assignment within the placement's [`Pool`](crate::placements::Pool); watches its environments and
 //! sweeps them with the [`reconciler`].
 //!
 //! While the pool is full the worker holds the delivery and waits for a slot (a
@@ -13,7 +13,6 @@
 //!
 //! It may touch: the store (records of its placement), its driver, the lifecycle.
 
-pub mod pool;
 pub mod reconciler;
 
 use std::{sync::Arc, time::Duration};
@@ -25,7 +24,7 @@ use crate::{
     assignment::{Assignment, Rules, capability::CapabilityKey, placement},
     driver::{self, Driver, EnvironmentSpec, Phase},
     lifecycle::Lifecycle,
-    placements::PlacementRuntime,
+    placements::PlacementState,
     store::{self, Delivery, Record, Store, StoreError},
 };
 
@@ -57,7 +56,7 @@ pub struct EnvironmentSettings {
 
 #[derive(Debug)]
 pub struct Worker {
-    runtime: Arc<PlacementRuntime>,
+    served: Arc<PlacementState>,
     driver: Arc<dyn Driver>,
     store: Arc<dyn Store>,
     key: Arc<CapabilityKey>,
@@ -79,9 +78,9 @@ pub struct Worker {
 
 impl Worker {
     /// # Panics
-    /// Never: a runtime without a driver is refused by the caller (see `app`).
+    /// Never: a placement without a driver is refused by the caller (see `app`).
     pub fn new(
-        runtime: Arc<PlacementRuntime>,
+        served: Arc<PlacementState>,
         driver: Arc<dyn Driver>,
         store: Arc<dyn Store>,
         key: Arc<CapabilityKey>,
@@ -90,7 +89,7 @@ impl Worker {
         lifecycle: Lifecycle,
     ) -> Self {
         let reconciler = reconciler::Reconciler::new(
-            Arc::clone(&runtime),
+            Arc::clone(&served),
             Arc::clone(&driver),
             Arc::clone(&store),
             lifecycle.clone(),
@@ -98,7 +97,7 @@ impl Worker {
             Arc::clone(&key),
         );
         Worker {
-            runtime,
+            served,
             driver,
             store,
             key,
@@ -121,7 +120,7 @@ impl Worker {
 
     fn beat(&self, what: &str) {
         if let Some(metrics) = &self.metrics {
-            metrics.beat(&format!("{what} {}", self.runtime.placement));
+            metrics.beat(&format!("{what} {}", self.served.placement));
         }
     }
 
@@ -155,16 +154,16 @@ impl Worker {
     /// # Errors
     /// When the driver cannot list.
     pub async fn recover(&self) -> Result<usize, driver::DriverError> {
-        let placement = self.runtime.placement;
+        let placement = self.served.placement;
         let selector = driver::selector(&self.settings.instance, placement);
         let mut adopted = 0;
         for environment in self.driver.list(&selector).await? {
             if environment.phase == Phase::Running && self.reconciler.made_here(&environment) {
-                self.runtime.pool.adopt(&environment.assignment_id);
+                self.served.pool.adopt(&environment.assignment_id);
                 adopted += 1;
             }
         }
-        tracing::info!(%placement, adopted, capacity = self.runtime.capacity, "pool rebuilt from the driver");
+        tracing::info!(%placement, adopted, capacity = self.served.capacity, "pool rebuilt from the driver");
         Ok(adopted)
     }
 
@@ -173,7 +172,7 @@ impl Worker {
     /// # Errors
     /// When the consumer cannot be created for a reason other than an unavailable store.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), StoreError> {
-        let placement = self.runtime.placement;
+        let placement = self.served.placement;
         // The pool first: what runs holds its slots before anything new is made.
         let mut backoff = contract::backoff::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         while let Err(error) = self.recover().await {
@@ -188,7 +187,7 @@ impl Worker {
         // take the facade and the scheduler of this process down with the worker.
         let mut pause = contract::backoff::Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
         let mut consumer = loop {
-            match self.store.consumer(placement, self.runtime.capacity).await {
+            match self.store.consumer(placement, self.served.capacity).await {
                 Ok(consumer) => break consumer,
                 Err(error @ StoreError::Unavailable { .. }) => {
                     tracing::warn!(%placement, error = %crate::error_chain(&error), "cannot open the queue yet; retrying");
@@ -245,7 +244,7 @@ impl Worker {
                 Ok(Some(changes)) => changes,
                 Ok(None) => return,
                 Err(error) => {
-                    tracing::warn!(placement = %self.runtime.placement, %error, "cannot watch environments; the sweep still runs");
+                    tracing::warn!(placement = %self.served.placement, %error, "cannot watch environments; the sweep still runs");
                     tokio::select! {
                         () = shutdown.cancelled() => return,
                         () = tokio::time::sleep(Duration::from_secs(5)) => continue,
@@ -275,7 +274,7 @@ impl Worker {
         loop {
             self.beat("reconciler");
             if let Err(error) = self.reconciler.sweep().await {
-                tracing::warn!(placement = %self.runtime.placement, %error, "reconciliation failed");
+                tracing::warn!(placement = %self.served.placement, %error, "reconciliation failed");
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -303,11 +302,11 @@ impl Worker {
                 }
             }
             Ok(Placed::PoolFull) => {
-                tracing::debug!(assignment.id = %assignment_id, placement = %self.runtime.placement, "pool full; the assignment waits in the queue");
+                tracing::debug!(assignment.id = %assignment_id, placement = %self.served.placement, "pool full; the assignment waits in the queue");
                 let _ = delivery.nak(self.nak_delay).await;
             }
             Err(PlaceError::Driver(error)) if error.is_refusal() => {
-                let reason = format!("the {} environment could not be created: {error}", self.runtime.placement);
+                let reason = format!("the {} environment could not be created: {error}", self.served.placement);
                 if let Err(failed) = self.lifecycle.fail(&assignment_id, &reason).await {
                     tracing::warn!(assignment.id = %assignment_id, error = %crate::error_chain(&failed), "cannot fail the task yet");
                     let _ = delivery.nak(self.nak_delay).await;
@@ -333,7 +332,7 @@ impl Worker {
         let name = driver::attempt_name(&self.settings.instance, assignment_id, record.value.attempts);
         if record.value.environment.is_some() {
             if self.driver.get(&name).await?.is_some() {
-                self.runtime.pool.adopt(assignment_id);
+                self.served.pool.adopt(assignment_id);
                 return Ok(Placed::Done);
             }
             if record.value.state != store::State::Pending {
@@ -343,42 +342,40 @@ impl Worker {
                 return Ok(Placed::Done);
             }
         }
-        if !self.runtime.pool.acquire_within(assignment_id, self.hold).await {
+        if !self.served.pool.acquire_within(assignment_id, self.hold).await {
             return Ok(Placed::PoolFull);
         }
         let spec = match self.spec(&record.value, &name) {
             Ok(spec) => spec,
             Err(error) => {
-                self.runtime.pool.release(assignment_id);
+                self.served.pool.release(assignment_id);
                 return Err(error);
             }
         };
         if let Err(error) = self.prepare_facade(&spec) {
-            self.runtime.pool.release(assignment_id);
+            self.served.pool.release(assignment_id);
             return Err(error);
         }
         crate::failpoint::hit("before-create");
         let created = self.driver.create(&spec).await;
-        self.runtime.pool.created(assignment_id);
+        self.served.pool.created(assignment_id);
         let environment = match created {
             Ok(environment) => environment,
             Err(error) => {
-                self.runtime.pool.release(assignment_id);
+                self.served.pool.release(assignment_id);
                 return Err(error.into());
             }
         };
         crate::failpoint::hit("after-create");
         // Record the recovery metadata before acknowledging (the facade may have
         // claimed meanwhile: modify re-reads on conflicts).
-        let recorded =
-            store::modify(self.store.as_ref(), assignment_id, |current| Some(Record { environment: Some(environment.name.clone()), ..current.clone() }))
-                .await?;
-        tracing::info!(assignment.id = %assignment_id, environment = %environment.name, placement = %self.runtime.placement, "environment created");
+        let recorded = store::modify(self.store.as_ref(), assignment_id, |current| Some(current.with_environment(&environment.name))).await?;
+        tracing::info!(assignment.id = %assignment_id, environment = %environment.name, placement = %self.served.placement, "environment created");
         // Finished while it was being created (cancelled in Gitea): retire it now.
         if recorded.is_some_and(|r| r.value.is_terminal()) {
             let (driver, name, id) = (Arc::clone(&self.driver), environment.name.clone(), assignment_id.to_owned());
             crate::lifecycle::retire(driver.as_ref(), &name, &id, Duration::ZERO, || {
-                self.runtime.pool.release(assignment_id);
+                self.served.pool.release(assignment_id);
             })
             .await;
         }
@@ -402,7 +399,7 @@ impl Worker {
 
     fn spec(&self, record: &Record, name: &str) -> Result<EnvironmentSpec, PlaceError> {
         let assignment = Assignment::decode(&record.envelope, &self.rules).map_err(|error| PlaceError::Envelope(crate::error_chain(&error)))?;
-        Ok(environment_spec(&assignment, self.runtime.placement, name, &self.settings, &self.key))
+        Ok(environment_spec(&assignment, self.served.placement, name, &self.settings, &self.key))
     }
 }
 

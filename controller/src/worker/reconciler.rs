@@ -22,7 +22,7 @@ use std::{sync::Arc, time::Duration};
 use crate::{
     driver::{Driver, Environment, LABEL_INSTANCE, Phase},
     lifecycle::{self, Lifecycle},
-    placements::PlacementRuntime,
+    placements::PlacementState,
     store::{Record, State, Store, StoreError, now_ms},
 };
 
@@ -40,7 +40,7 @@ pub const MAX_ATTEMPTS: u32 = 3;
 
 #[derive(Debug)]
 pub struct Reconciler {
-    runtime: Arc<PlacementRuntime>,
+    served: Arc<PlacementState>,
     driver: Arc<dyn Driver>,
     store: Arc<dyn Store>,
     lifecycle: Lifecycle,
@@ -54,14 +54,14 @@ pub struct Reconciler {
 
 impl Reconciler {
     pub fn new(
-        runtime: Arc<PlacementRuntime>,
+        served: Arc<PlacementState>,
         driver: Arc<dyn Driver>,
         store: Arc<dyn Store>,
         lifecycle: Lifecycle,
         instance: String,
         key: Arc<crate::assignment::capability::CapabilityKey>,
     ) -> Self {
-        Reconciler { runtime, driver, store, lifecycle, instance, key, foreign: std::sync::Mutex::default() }
+        Reconciler { served, driver, store, lifecycle, instance, key, foreign: std::sync::Mutex::default() }
     }
 
     /// Whether this installation made `environment`: its name and label, and the proof
@@ -93,8 +93,8 @@ impl Reconciler {
     /// # Errors
     /// When the store cannot be read.
     pub async fn sweep(&self) -> Result<usize, StoreError> {
-        let placement = self.runtime.placement;
-        let selector = crate::driver::selector(&self.instance, self.runtime.placement);
+        let placement = self.served.placement;
+        let selector = crate::driver::selector(&self.instance, self.served.placement);
         let listed_at = std::time::Instant::now();
         let environments = match self.driver.list(&selector).await {
             Ok(environments) => environments,
@@ -116,7 +116,7 @@ impl Reconciler {
                 present.insert(environment.assignment_id.clone());
             }
         }
-        for id in self.runtime.pool.release_absent(&present, listed_at) {
+        for id in self.served.pool.release_absent(&present, listed_at) {
             tracing::info!(%placement, assignment.id = %id, "pool slot released: its environment is gone");
         }
         let now_ms = now_ms();
@@ -154,12 +154,12 @@ impl Reconciler {
     async fn try_again(&self, assignment_id: &str, environment: &str, reason: &str) -> bool {
         let changed = crate::store::modify(self.store.as_ref(), assignment_id, |current| {
             let ours = current.state == State::Pending && current.environment.as_deref() == Some(environment) && current.attempts + 1 < MAX_ATTEMPTS;
-            ours.then(|| Record { environment: None, attempts: current.attempts + 1, ..current.clone() })
+            ours.then(|| current.next_attempt())
         })
         .await;
         match changed {
             Ok(Some(record)) if record.value.environment.is_none() && record.value.state == State::Pending => {
-                self.runtime.pool.release(assignment_id);
+                self.served.pool.release(assignment_id);
                 tracing::warn!(assignment.id = assignment_id, attempt = record.value.attempts + 1, "{reason}; making a new environment");
                 if let Err(error) = self.store.requeue(&record.value, record.value.attempts).await {
                     // The stranded-record check queues it again at a later sweep.
@@ -241,7 +241,7 @@ impl Reconciler {
                 now_ms() - record.updated_at_ms > grace
             }
             (Some(_), Phase::Running) => {
-                self.runtime.pool.adopt(&id);
+                self.served.pool.adopt(&id);
                 false
             }
             (Some(record), Phase::Exited | Phase::Terminal) if record.state == State::Pending => {
@@ -252,7 +252,7 @@ impl Reconciler {
                 }
                 let reason = format!("the job's environment {} ended before it claimed the job: {}", environment.name, environment.why_unclaimed());
                 if !self.try_again(&id, &environment.name, &reason).await {
-                    self.runtime.pool.release(&id);
+                    self.served.pool.release(&id);
                 }
                 return true;
             }
@@ -277,7 +277,7 @@ impl Reconciler {
         let deleted = if environment.phase == Phase::Running { self.driver.stop(&environment.name).await } else { self.driver.delete(&environment.name).await };
         match deleted {
             Ok(()) => {
-                self.runtime.pool.release(&id);
+                self.served.pool.release(&id);
                 tracing::info!(environment = %environment.name, assignment.id = %id, "environment deleted");
                 true
             }

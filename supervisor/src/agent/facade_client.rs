@@ -42,6 +42,8 @@ pub struct Claimed {
 #[derive(Clone)]
 pub struct FacadeClient {
     inner: FacadeServiceClient<Channel>,
+    /// The same connection, for the cache's plain HTTP requests.
+    channel: Channel,
     credential: AssignmentCredential,
 }
 
@@ -69,7 +71,10 @@ impl FacadeClient {
     ) -> Result<Self, FacadeClientError> {
         let endpoint = tonic::transport::Endpoint::try_from("http://facade.local")
             .map_err(|_| FacadeClientError::Url(url.to_owned()))?
-            .connect_timeout(Duration::from_secs(10));
+            .connect_timeout(Duration::from_secs(10))
+            // Cache archives stream over this connection too: windows that keep it moving.
+            .initial_stream_window_size(Some(STREAM_WINDOW))
+            .initial_connection_window_size(Some(CONNECTION_WINDOW));
         let parsed = contract::facade::FacadeUrl::parse(url).map_err(FacadeClientError::Url)?;
         let channel = match parsed {
             FacadeUrl::Unix(path) => endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
@@ -116,7 +121,8 @@ impl FacadeClient {
             }
         };
         Ok(FacadeClient {
-            inner: FacadeServiceClient::new(channel),
+            inner: FacadeServiceClient::new(channel.clone()),
+            channel,
             credential: AssignmentCredential { assignment_id: assignment_id.to_owned(), capability: capability.to_owned() },
         })
     }
@@ -176,6 +182,35 @@ impl FacadeClient {
         }
     }
 }
+
+impl FacadeClient {
+    /// Sends one request of the job's cache to the facade's cache route
+    /// (`contract::cache::PREFIX` + its path), as this environment, with the session of
+    /// its claim; the answer streams back.
+    ///
+    /// # Errors
+    /// When the facade cannot be reached.
+    pub async fn cache(&self, mut request: http::Request<tonic::body::Body>) -> Result<http::Response<tonic::body::Body>, tonic::transport::Error> {
+        use contract::cache::{HEADER_ASSIGNMENT, HEADER_CAPABILITY, PREFIX};
+        use tower::ServiceExt as _;
+        let path_and_query = request.uri().path_and_query().map_or("/", |p| p.as_str());
+        if let Ok(uri) = format!("{PREFIX}{path_and_query}").parse() {
+            *request.uri_mut() = uri;
+        }
+        let headers = request.headers_mut();
+        for (name, value) in [(HEADER_ASSIGNMENT, &self.credential.assignment_id), (HEADER_CAPABILITY, &self.credential.capability)] {
+            if let Ok(value) = http::HeaderValue::from_str(value) {
+                headers.insert(name, value);
+            }
+        }
+        self.channel.clone().oneshot(request).await
+    }
+}
+
+/// HTTP/2 flow-control windows of the facade connection (the facade's server uses the
+/// same): a cache archive is not a trickle of 64 KiB round trips.
+const STREAM_WINDOW: u32 = 4 << 20;
+const CONNECTION_WINDOW: u32 = 16 << 20;
 
 /// Picks the SVID with exactly this SPIFFE ID.
 #[derive(Debug)]

@@ -11,7 +11,7 @@ use tokio::{
 };
 
 use super::{AgentConfig, AgentError, config::CONFIG_ENV};
-use crate::{exit::ChildStatus, pid1::FORWARDED};
+use crate::{exit::ChildStatus, signals::FORWARDED};
 
 /// Runs the job command, passing signals on, and returns the code it ended with;
 /// `stopping` is set when a terminating signal is passed on.

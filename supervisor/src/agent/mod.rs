@@ -1,7 +1,8 @@
 //! The agent: everything that runs as the runner uid (with the docker group), started
 //! by PID 1: the identity wait ([`identity`]), the facade client ([`facade_client`]),
 //! the loopback RunnerService the runner talks to ([`loopback`], with the pass-through
-//! to Gitea in [`proxy`]), the readiness protocol ([`ready`]) and the job command with
+//! to Gitea in [`proxy`]), the job's cache ([`cache_proxy`], to the controller over the
+//! facade's connection), the readiness protocol ([`ready`]) and the job command with
 //! its signals ([`job`]); its settings are in [`config`], its failures and their exit
 //! codes in [`error`]. It never touches storage, cgroups or dockerd's process; it
 //! learns of dockerd through a pipe ([`docker_report`]).
@@ -15,6 +16,7 @@ use std::{path::Path, time::Duration};
 
 use tokio::sync::{mpsc, watch};
 
+pub mod cache_proxy;
 pub mod config;
 pub mod docker_report;
 pub mod error;
@@ -209,6 +211,7 @@ async fn serve_the_runner(
     let written = std::fs::create_dir_all(&facade.runner_dir)
         .and_then(|()| write_private(&facade.runner_dir.join(".runner"), &runner.runner_file(&format!("http://{address}"))));
     written.map_err(|source| AgentError::RunnerFile { dir: facade.runner_dir.clone(), source })?;
+    let cache = serve_the_cache(&client, facade, &shutdown).await?;
     // Report dockerd's readiness when it comes, without holding the runner back.
     let docker_reporter = {
         let (client, mut readiness) = (client.clone(), readiness);
@@ -242,7 +245,31 @@ async fn serve_the_runner(
     steps_watch.abort();
     shutdown.cancel();
     let _ = server.await;
+    if let Some(cache) = cache {
+        let _ = cache.await;
+    }
     code
+}
+
+/// The job's cache on `contract::cache::LISTEN`, with the runner's registration secret
+/// written first (gitea-runner reads it when it starts). A job still runs when the
+/// address is taken: its cache steps then say they cannot reach the cache.
+async fn serve_the_cache(
+    client: &facade_client::FacadeClient,
+    facade: &FacadeSettings,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>, AgentError> {
+    let secret = loopback::random_hex(32).map_err(AgentError::Randomness)?;
+    let file = facade.runner_dir.join(contract::cache::SECRET_FILE);
+    write_private(&file, secret.as_bytes()).map_err(|source| AgentError::RunnerFile { dir: facade.runner_dir.clone(), source })?;
+    let gitea = proxy::fallback(facade.gitea_url.as_deref()).map_err(AgentError::PassThrough)?;
+    match cache_proxy::start(client.clone(), secret, gitea, shutdown.clone()).await {
+        Ok(server) => Ok(Some(server)),
+        Err(error) => {
+            tracing::error!(listen = contract::cache::LISTEN, %error, "cannot serve the job's cache; its cache steps will say the cache does not answer");
+            Ok(None)
+        }
+    }
 }
 
 /// A random holder id, kept in `file` so that a restarted agent claims as the same holder.

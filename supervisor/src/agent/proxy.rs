@@ -82,7 +82,7 @@ pub fn fallback(gitea: Option<&str>) -> Result<Fallback, ProxyError> {
                 Ok(response) => {
                     let (mut parts, body) = response.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
-                    Response::from_parts(parts, body.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>).boxed())
+                    Response::from_parts(parts, body.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>).boxed_unsync())
                 }
                 Err(error) => {
                     tracing::warn!(%method, target = %target, error = %crate::error_chain(&error), "passing a request to Gitea failed");
@@ -93,7 +93,7 @@ pub fn fallback(gitea: Option<&str>) -> Result<Fallback, ProxyError> {
     }))
 }
 
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Headers named in Connection are hop-by-hop too.
     let named: Vec<String> = headers
         .get_all(header::CONNECTION)
@@ -106,8 +106,8 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-fn bad_gateway(message: &str) -> Response<BoxBody> {
-    let mut response = Response::new(Full::new(Bytes::from(format!("gitea-dynamic-runner: {message}\n"))).map_err(|never| match never {}).boxed());
+pub(crate) fn bad_gateway(message: &str) -> Response<BoxBody> {
+    let mut response = Response::new(Full::new(Bytes::from(format!("gitea-dynamic-runner: {message}\n"))).map_err(|never| match never {}).boxed_unsync());
     *response.status_mut() = StatusCode::BAD_GATEWAY;
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
     response

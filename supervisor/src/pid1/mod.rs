@@ -16,5 +16,5 @@ pub mod settings;
 pub mod spawn;
 pub mod storage;
 
-pub use reaper::{Event, FORWARDED, Pid1, block_signals, parse_stat};
+pub use reaper::{Event, Pid1, block_signals, parse_stat};
 pub use settings::{RunnerUser, Settings};

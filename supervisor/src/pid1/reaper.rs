@@ -26,10 +26,7 @@ use nix::{
     unistd::Pid,
 };
 
-use crate::exit::ChildStatus;
-
-/// Signals forwarded to the job child.
-pub const FORWARDED: [Signal; 7] = [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP, Signal::SIGQUIT, Signal::SIGUSR1, Signal::SIGUSR2, Signal::SIGWINCH];
+use crate::{exit::ChildStatus, signals::FORWARDED};
 
 /// tini re-polls every second: SIGCHLD coalesces and could in theory be missed.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);

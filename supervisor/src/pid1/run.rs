@@ -81,8 +81,6 @@ impl Supervisor {
     fn run(&mut self) -> u8 {
         let started = Instant::now();
         tracing::info!(
-            version = env!("CARGO_PKG_VERSION"),
-            revision = contract::REVISION,
             pid = std::process::id(),
             drain_timeout = ?self.settings.drain_timeout,
             "supervisor starting; the drain needs a termination grace period longer than the drain timeout"

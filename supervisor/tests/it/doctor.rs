@@ -225,10 +225,17 @@ fn the_image_mode_names_the_missing_package_and_keeps_going() {
     assert_check(&report, "gdr-no-such-tool", "FAIL", "not on PATH", "install the Debian package gdr-missing");
     assert_check(&report, "empty-file", "FAIL", "/dev/null is empty", "");
     assert_check(&report, "runner", "PASS", "v3.3.0 with", "");
+    assert_check(&report, "cache", "PASS", "http://127.0.0.1:41731/", "");
     // The hook the config names is not installed on this host.
     assert_check(&report, "job-started", "FAIL", "/usr/local/lib/gitea-dynamic-runner/job-started", "");
     assert!(report["checks"].as_array().unwrap().iter().all(|c| c["id"] != "pid1"), "--image runs no environment check: {report}");
 
     let (_, report) = image("/bin/true");
     assert_check(&report, "runner", "FAIL", "not \"gitea-runner version", "/usr/local/bin/gitea-runner");
+
+    // A runner configuration that keeps the runner's own cache (it dies with the job).
+    let own_cache = dir.path().join("own-cache.yaml");
+    std::fs::write(&own_cache, "cache:\n  enabled: true\n").unwrap();
+    let (_, report) = doctor(&["--image".into(), format!("--packages={}", packages.display()), format!("--runner-config={}", own_cache.display())]);
+    assert_check(&report, "cache", "FAIL", "would not reach the controller's cache", "cache.external_server: http://127.0.0.1:41731/");
 }

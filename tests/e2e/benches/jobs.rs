@@ -1,4 +1,4 @@
-//! `scripts/bench-jobs [RUNS]`: how fast a job starts, end to end, with the real Gitea,
+//! `scripts/bench jobs [RUNS]`: how fast a job starts, end to end, with the real Gitea,
 //! the controller, the runner image on a real dockerd and the real gitea-runner (as a
 //! container.docker environment, then as a vm.opensandbox sandbox of the real
 //! opensandbox-server, then as a container.kubernetes Pod of the real single-node

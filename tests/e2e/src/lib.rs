@@ -17,11 +17,17 @@ pub mod stack;
 /// several environments' dockerd start-ups at once in reasonable time, and timings
 /// measured under contention would say little.
 pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
-    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     TURN.lock().await
 }
 
-/// A peer that every test of a binary shares (the Docker host, the Kubernetes cluster):
+/// [`exclusive`] for a test outside a runtime (the VM guest).
+pub fn exclusive_blocking() -> tokio::sync::MutexGuard<'static, ()> {
+    TURN.blocking_lock()
+}
+
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A peer that every test shares (the Docker host, the Kubernetes cluster):
 /// started on first use, stopped when the test binary exits.
 pub trait SharedPeer: Sync {
     fn stop(&self);

@@ -24,10 +24,19 @@ pub fn supervisor() -> PathBuf {
     path
 }
 
-/// The static musl controller of `scripts/build-static` (what the controller image and
-/// `scripts/run-local` use).
+/// The static musl controller of `scripts/build-static` (what the controller image uses).
 pub fn static_controller() -> PathBuf {
-    let path = repository().join("target/x86_64-unknown-linux-musl/release/controller");
+    static_binary("controller")
+}
+
+/// The static musl run-local of `scripts/build-static` (what `scripts/run-local` and the
+/// controller image use).
+pub fn static_run_local() -> PathBuf {
+    static_binary("run-local")
+}
+
+fn static_binary(name: &str) -> PathBuf {
+    let path = repository().join("target/x86_64-unknown-linux-musl/release").join(name);
     assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
     path
 }
@@ -106,7 +115,7 @@ pub fn controller_image_with(cache: Option<&std::path::Path>, context: Option<&s
     if let Some(context) = context {
         command.arg("--context").arg(context);
     }
-    command.env("CONTROLLER_BIN", static_controller());
+    command.env("CONTROLLER_BIN", static_controller()).env("RUN_LOCAL_BIN", static_run_local());
     if let Some(cache) = cache {
         command.env("PEERS_CACHE", cache);
     }

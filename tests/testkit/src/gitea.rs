@@ -540,6 +540,85 @@ impl Gitea {
         Repo { owner: body["owner"]["login"].as_str().expect("owner.login").to_owned(), name: body["name"].as_str().expect("name").to_owned() }
     }
 
+    /// A public repository of the organisation `owner` (made if missing), as
+    /// [`Gitea::create_repo`] makes one: e.g. `actions/cache`, for `uses:` to find it where
+    /// `DEFAULT_ACTIONS_URL = self`.
+    pub async fn create_org_repo(&self, owner: &str, name: &str) -> Repo {
+        let resp = self
+            .api(reqwest::Method::POST, "/orgs")
+            .json(&serde_json::json!({ "username": owner, "visibility": "public" }))
+            .send()
+            .await
+            .expect("POST /api/v1/orgs");
+        self.expect_status(resp, &[201, 422], "create the organisation").await;
+        let resp = self
+            .api(reqwest::Method::POST, &format!("/orgs/{owner}/repos"))
+            .json(&serde_json::json!({ "name": name, "auto_init": true, "default_branch": "main", "private": false, "readme": "Default" }))
+            .send()
+            .await
+            .expect("POST /api/v1/orgs/{owner}/repos");
+        let body = self.expect_status(resp, &[201], "create the organisation's repository").await;
+        Repo { owner: owner.to_owned(), name: body["name"].as_str().expect("name").to_owned() }
+    }
+
+    /// Creates or updates `path` on `branch` through the contents API; returns the commit.
+    /// A commit is a push: every `on: push` workflow of the branch starts.
+    pub async fn commit_file(&self, repo: &Repo, branch: &str, path: &str, content: &[u8]) -> String {
+        let api_path = format!("/repos/{}/{}/contents/{path}", repo.owner, repo.name);
+        let existing = self.api(reqwest::Method::GET, &format!("{api_path}?ref={branch}")).send().await.expect("GET contents");
+        let existing = self.expect_status(existing, &[200, 404], "look up the file").await;
+        let mut body = serde_json::json!({
+            "content": base64::engine::general_purpose::STANDARD.encode(content),
+            "message": format!("{path}"),
+            "branch": branch,
+        });
+        let (method, ok) = match existing.get("sha").and_then(|s| s.as_str()) {
+            Some(sha) => {
+                body["sha"] = sha.into();
+                (reqwest::Method::PUT, 200)
+            }
+            None => (reqwest::Method::POST, 201),
+        };
+        let resp = self.api(method, &api_path).json(&body).send().await.expect("commit the file");
+        let reply = self.expect_status(resp, &[ok], "commit the file").await;
+        reply["commit"]["sha"].as_str().expect("commit.sha in the reply").to_owned()
+    }
+
+    /// A tag `name` at the head of `main`.
+    pub async fn create_tag(&self, repo: &Repo, name: &str) {
+        let resp = self
+            .api(reqwest::Method::POST, &format!("/repos/{}/{}/tags", repo.owner, repo.name))
+            .json(&serde_json::json!({ "tag_name": name, "target": "main" }))
+            .send()
+            .await
+            .expect("POST tags");
+        self.expect_status(resp, &[201], "create the tag").await;
+    }
+
+    /// A branch `name` from the head of `main`.
+    pub async fn create_branch(&self, repo: &Repo, name: &str) {
+        let resp = self
+            .api(reqwest::Method::POST, &format!("/repos/{}/{}/branches", repo.owner, repo.name))
+            .json(&serde_json::json!({ "new_branch_name": name, "old_branch_name": "main" }))
+            .send()
+            .await
+            .expect("POST branches");
+        self.expect_status(resp, &[201], "create the branch").await;
+    }
+
+    /// A pull request of `head` into `main`; its number. It starts the `on: pull_request`
+    /// workflows of `head`.
+    pub async fn open_pull_request(&self, repo: &Repo, head: &str) -> i64 {
+        let resp = self
+            .api(reqwest::Method::POST, &format!("/repos/{}/{}/pulls", repo.owner, repo.name))
+            .json(&serde_json::json!({ "head": head, "base": "main", "title": format!("{head} into main") }))
+            .send()
+            .await
+            .expect("POST pulls");
+        let body = self.expect_status(resp, &[201], "open the pull request").await;
+        body["number"].as_i64().expect("number in the reply")
+    }
+
     /// An instance-wide runner registration token, from `gitea actions generate-runner-token`
     /// (talks to the running server through its private API). Gitea returns the current
     /// active token, so repeated calls give the same one.
@@ -577,25 +656,7 @@ impl Gitea {
     /// run cancels the unfinished runs of the same workflow file on the same ref
     /// (`CancelPreviousJobs`), running ones included.
     pub async fn commit_workflow(&self, repo: &Repo, file: &str, yaml: &str) -> String {
-        let path = format!("/repos/{}/{}/contents/.gitea/workflows/{file}", repo.owner, repo.name);
-        let existing = self.api(reqwest::Method::GET, &format!("{path}?ref=main")).send().await.expect("GET contents");
-        let existing = self.expect_status(existing, &[200, 404], "look up the workflow file").await;
-        let sha = existing.get("sha").and_then(|s| s.as_str()).map(str::to_owned);
-        let mut body = serde_json::json!({
-            "content": base64::engine::general_purpose::STANDARD.encode(yaml),
-            "message": format!("workflow {file}"),
-            "branch": "main",
-        });
-        let (method, ok) = match sha {
-            Some(sha) => {
-                body["sha"] = sha.into();
-                (reqwest::Method::PUT, 200)
-            }
-            None => (reqwest::Method::POST, 201),
-        };
-        let resp = self.api(method, &path).json(&body).send().await.expect("commit the workflow");
-        let reply = self.expect_status(resp, &[ok], "commit the workflow").await;
-        reply["commit"]["sha"].as_str().expect("commit.sha in the reply").to_owned()
+        self.commit_file(repo, "main", &format!(".gitea/workflows/{file}"), yaml.as_bytes()).await
     }
 
     /// All tasks of the repository (every page of `GET /api/v1/repos/{o}/{r}/actions/tasks`),

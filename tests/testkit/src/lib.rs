@@ -10,6 +10,7 @@
 //! - [`gitea`]: a REAL Gitea server, 1.23.8 or 1.27.3 (built from pinned upstream sources by scripts/install-test-peers).
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
 //! - [`spire`]: a REAL SPIRE server and agent.
+//! - [`process`]: a controller process of the real binary, stopped and started again.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
@@ -20,6 +21,7 @@ pub mod fault_proxy;
 pub mod gitea;
 pub mod nats;
 pub mod opensandbox;
+pub mod process;
 pub mod spire;
 pub mod wait;
 pub mod workload;

@@ -5,7 +5,7 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 use k8s_openapi::api::core::v1::Toleration;
 use serde::Deserialize;
 
-use crate::config::ConfigError;
+use crate::setting::Problems;
 
 /// `[kubernetes]`: how job Pods are made.
 #[derive(Debug, Clone, Deserialize)]
@@ -45,10 +45,10 @@ pub struct KubernetesConfig {
     /// `sizeLimit` of the emptyDir holding the loop image and the runner's work.
     pub work_size_limit: Option<String>,
     /// `activeDeadlineSeconds`: the job's ceiling.
-    #[serde(default = "default_deadline", with = "crate::config::duration")]
+    #[serde(default = "default_deadline", with = "crate::setting::duration")]
     pub active_deadline: Duration,
     /// `terminationGracePeriodSeconds`: longer than the supervisor's drain (25 s).
-    #[serde(default = "default_grace", with = "crate::config::duration")]
+    #[serde(default = "default_grace", with = "crate::setting::duration")]
     pub termination_grace: Duration,
     /// `runtimeClassName`, e.g. `kata` for a microVM per job.
     pub runtime_class: Option<String>,
@@ -66,7 +66,7 @@ pub struct KubernetesConfig {
     pub workload_api: Option<WorkloadApiVolume>,
     /// One SPIRE entry per Pod (selectors such as `k8s:ns:…` and
     /// `k8s:pod-name:{environment}` for the node agent's k8s workload attestor).
-    pub spire: Option<crate::spire::SpireConfig>,
+    pub spire: Option<crate::driver::spire::SpireConfig>,
 }
 
 /// `[kubernetes.workload_api]`: the agent's socket directory in the Pod, from the node
@@ -159,51 +159,47 @@ impl KubernetesConfig {
         })
     }
 
-    /// # Errors
-    /// The setting that is wrong, and why.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |setting: &str, message: String| Err(ConfigError::invalid(format!("kubernetes.{setting}"), message));
+    pub fn validate(&self, problems: &mut Problems) {
+        let mut invalid = |setting: &str, message: String| problems.add(format!("kubernetes.{setting}"), message);
         if !is_dns_label(&self.namespace) {
-            return invalid("namespace", format!("{:?} is not a namespace name (lower-case letters, digits and '-', at most 63)", self.namespace));
+            invalid("namespace", format!("{:?} is not a namespace name (lower-case letters, digits and '-', at most 63)", self.namespace));
         }
         if self.image.trim().is_empty() {
-            return invalid("image", "the runner image is required".into());
+            invalid("image", "the runner image is required".into());
         }
         if !["Always", "IfNotPresent", "Never"].contains(&self.image_pull_policy.as_str()) {
-            return invalid("image_pull_policy", format!("{:?} must be Always, IfNotPresent or Never", self.image_pull_policy));
+            invalid("image_pull_policy", format!("{:?} must be Always, IfNotPresent or Never", self.image_pull_policy));
         }
         if self.command.is_empty() {
-            return invalid("command", "must name the supervisor (the default does)".into());
+            invalid("command", "must name the supervisor (the default does)".into());
         }
         if self.job_dockerd && !self.privileged && self.capabilities.is_empty() {
-            return invalid("capabilities", "a job-local dockerd needs privileged = true or capabilities to mount its storage and run dockerd".into());
+            invalid("capabilities", "a job-local dockerd needs privileged = true or capabilities to mount its storage and run dockerd".into());
         }
         for (setting, value) in [("cpu", &self.cpu), ("memory", &self.memory), ("work_size_limit", &self.work_size_limit)] {
             if let Some(value) = value
                 && !is_quantity(value)
             {
-                return invalid(setting, format!("{value:?} is not a Kubernetes quantity (e.g. \"2\", \"500m\", \"4Gi\")"));
+                invalid(setting, format!("{value:?} is not a Kubernetes quantity (e.g. \"2\", \"500m\", \"4Gi\")"));
             }
         }
         if self.active_deadline < Duration::from_secs(60) {
-            return invalid("active_deadline", "must be at least 1m".into());
+            invalid("active_deadline", "must be at least 1m".into());
         }
         if let Err(message) = crate::driver::check_extra_env(&self.env) {
-            return invalid("env", message);
+            invalid("env", message);
         }
         if let Some(volume) = &self.workload_api {
-            match (&volume.host_path, &volume.csi_driver) {
-                (Some(_), None) | (None, Some(_)) => {}
-                _ => return invalid("workload_api", "set exactly one of host_path and csi_driver".into()),
+            if !matches!((&volume.host_path, &volume.csi_driver), (Some(_), None) | (None, Some(_))) {
+                invalid("workload_api", "set exactly one of host_path and csi_driver".into());
             }
             if !volume.mount_path.starts_with('/') {
-                return invalid("workload_api.mount_path", format!("{:?} must be an absolute path", volume.mount_path));
+                invalid("workload_api.mount_path", format!("{:?} must be an absolute path", volume.mount_path));
             }
         }
         if let Some(spire) = &self.spire {
-            spire.validate("kubernetes.spire")?;
+            spire.validate("kubernetes.spire", problems);
         }
-        Ok(())
     }
 }
 
@@ -234,7 +230,7 @@ mod tests {
 
     #[test]
     fn settings_are_validated_with_their_names() {
-        assert!(config().validate().is_ok());
+        assert_eq!(Problems::check(|p| config().validate(p)), Ok(()));
         type Change = fn(&mut KubernetesConfig);
         let cases: Vec<(&str, Change)> = vec![
             ("kubernetes.namespace", |c| c.namespace = "CI_Jobs".into()),
@@ -267,9 +263,9 @@ mod tests {
         for (setting, change) in cases {
             let mut config = config();
             change(&mut config);
-            let Err(ConfigError::Invalid { setting: named, message }) = config.validate() else { panic!("{setting} passed") };
-            assert_eq!(named, setting, "{message}");
-            assert!(!message.is_empty());
+            let problems = Problems::check(|p| config.validate(p)).expect_err(setting);
+            assert_eq!(problems.settings(), [setting], "{problems}");
+            assert!(problems.iter().all(|invalid| !invalid.message.is_empty()));
         }
         for good in ["2", "500m", "4Gi", "1.5", "128Mi"] {
             assert!(is_quantity(good), "{good}");

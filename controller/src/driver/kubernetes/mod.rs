@@ -67,7 +67,7 @@ impl KubernetesDriver {
     pub async fn connect(config: KubernetesConfig) -> Result<Self, DriverError> {
         let placement = Placement::CONTAINER_KUBERNETES;
         let unavailable = |detail: String| DriverError::Unavailable { placement: placement.to_string(), detail };
-        config.validate().map_err(|error| unavailable(error.to_string()))?;
+        crate::setting::Problems::check(|problems| config.validate(problems)).map_err(|problems| unavailable(problems.to_string()))?;
         let client_config = match &config.kubeconfig {
             Some(path) => {
                 let kubeconfig =

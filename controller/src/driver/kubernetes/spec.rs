@@ -26,12 +26,70 @@ impl KubernetesDriver {
     /// The Pod for `spec`.
     pub fn pod(&self, spec: &EnvironmentSpec) -> Pod {
         let config = &self.config;
-        let mut env: Vec<EnvVar> = config.env.iter().map(|(k, v)| EnvVar { name: k.clone(), value: Some(v.clone()), ..Default::default() }).collect();
-        if !config.job_dockerd {
+        let (volumes, mounts) = self.volumes();
+        let mut annotations = BTreeMap::new();
+        if let Some(id) = spec.env.get(contract::environment::SPIFFE_ID) {
+            annotations.insert(ANNOTATION_SPIFFE_ID.to_owned(), id.clone());
+        }
+        let resources = self.resources();
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(spec.name.clone()),
+                namespace: Some(config.namespace.clone()),
+                labels: Some(spec.labels.clone()),
+                annotations: (!annotations.is_empty()).then_some(annotations),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: CONTAINER.into(),
+                    image: Some(config.image.clone()),
+                    image_pull_policy: Some(config.image_pull_policy.clone()),
+                    command: Some(config.command.clone()),
+                    env: Some(self.env(spec)),
+                    security_context: Some(self.security_context()),
+                    resources: (!resources.is_empty()).then(|| ResourceRequirements {
+                        requests: Some(resources.clone()),
+                        limits: Some(resources),
+                        ..Default::default()
+                    }),
+                    volume_mounts: Some(mounts),
+                    ..Default::default()
+                }],
+                volumes: Some(volumes),
+                restart_policy: Some("Never".into()),
+                automount_service_account_token: Some(false),
+                share_process_namespace: Some(false),
+                enable_service_links: Some(false),
+                active_deadline_seconds: Some(i64::try_from(config.active_deadline.as_secs()).unwrap_or(i64::MAX)),
+                termination_grace_period_seconds: Some(i64::try_from(config.termination_grace.as_secs()).unwrap_or(i64::MAX)),
+                runtime_class_name: config.runtime_class.clone(),
+                node_selector: (!config.node_selector.is_empty()).then(|| config.node_selector.clone()),
+                tolerations: (!config.tolerations.is_empty()).then(|| config.tolerations.clone()),
+                service_account_name: config.service_account.clone(),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    /// The operator's extra variables, then the environment contract (which wins).
+    fn env(&self, spec: &EnvironmentSpec) -> Vec<EnvVar> {
+        let variable = |(name, value): (&String, &String)| EnvVar { name: name.clone(), value: Some(value.clone()), ..Default::default() };
+        let mut env: Vec<EnvVar> = self.config.env.iter().map(variable).collect();
+        if !self.config.job_dockerd {
             env.push(EnvVar { name: "SUPERVISOR_DOCKER".into(), value: Some("false".into()), ..Default::default() });
         }
-        env.extend(spec.env.iter().map(|(k, v)| EnvVar { name: k.clone(), value: Some(v.clone()), ..Default::default() }));
-        let security_context = if !config.job_dockerd {
+        env.extend(spec.env.iter().map(variable));
+        env
+    }
+
+    /// Without a job-local dockerd: no privilege, the supervisor's few capabilities, the
+    /// runtime's seccomp profile. With one: privileged, or the configured capabilities
+    /// unconfined (trusted code only).
+    fn security_context(&self) -> SecurityContext {
+        let config = &self.config;
+        if !config.job_dockerd {
             SecurityContext {
                 privileged: Some(false),
                 allow_privilege_escalation: Some(false),
@@ -51,14 +109,25 @@ impl KubernetesDriver {
                 seccomp_profile: Some(k8s_openapi::api::core::v1::SeccompProfile { type_: "Unconfined".into(), localhost_profile: None }),
                 ..Default::default()
             }
-        };
+        }
+    }
+
+    /// Requests equal to limits, for what is configured.
+    fn resources(&self) -> BTreeMap<String, Quantity> {
         let mut resources = BTreeMap::new();
-        if let Some(cpu) = &config.cpu {
+        if let Some(cpu) = &self.config.cpu {
             resources.insert("cpu".to_owned(), Quantity(cpu.clone()));
         }
-        if let Some(memory) = &config.memory {
+        if let Some(memory) = &self.config.memory {
             resources.insert("memory".to_owned(), Quantity(memory.clone()));
         }
+        resources
+    }
+
+    /// The supervisor's storage and the runner's work as emptyDirs, and the SPIRE agent's
+    /// socket when configured.
+    fn volumes(&self) -> (Vec<Volume>, Vec<VolumeMount>) {
+        let config = &self.config;
         let mut volumes = vec![
             Volume {
                 name: "storage".into(),
@@ -88,49 +157,7 @@ impl KubernetesDriver {
                 ..Default::default()
             });
         }
-        let mut annotations = BTreeMap::new();
-        if let Some(id) = spec.env.get(contract::environment::SPIFFE_ID) {
-            annotations.insert(ANNOTATION_SPIFFE_ID.to_owned(), id.clone());
-        }
-        Pod {
-            metadata: ObjectMeta {
-                name: Some(spec.name.clone()),
-                namespace: Some(config.namespace.clone()),
-                labels: Some(spec.labels.clone()),
-                annotations: (!annotations.is_empty()).then_some(annotations),
-                ..Default::default()
-            },
-            spec: Some(PodSpec {
-                containers: vec![Container {
-                    name: CONTAINER.into(),
-                    image: Some(config.image.clone()),
-                    image_pull_policy: Some(config.image_pull_policy.clone()),
-                    command: Some(config.command.clone()),
-                    env: Some(env),
-                    security_context: Some(security_context),
-                    resources: (!resources.is_empty()).then(|| ResourceRequirements {
-                        requests: Some(resources.clone()),
-                        limits: Some(resources),
-                        ..Default::default()
-                    }),
-                    volume_mounts: Some(mounts),
-                    ..Default::default()
-                }],
-                volumes: Some(volumes),
-                restart_policy: Some("Never".into()),
-                automount_service_account_token: Some(false),
-                share_process_namespace: Some(false),
-                enable_service_links: Some(false),
-                active_deadline_seconds: Some(i64::try_from(config.active_deadline.as_secs()).unwrap_or(i64::MAX)),
-                termination_grace_period_seconds: Some(i64::try_from(config.termination_grace.as_secs()).unwrap_or(i64::MAX)),
-                runtime_class_name: config.runtime_class.clone(),
-                node_selector: (!config.node_selector.is_empty()).then(|| config.node_selector.clone()),
-                tolerations: (!config.tolerations.is_empty()).then(|| config.tolerations.clone()),
-                service_account_name: config.service_account.clone(),
-                ..Default::default()
-            }),
-            status: None,
-        }
+        (volumes, mounts)
     }
 }
 
@@ -149,7 +176,7 @@ mod tests {
     }
 
     /// The Pod a driver makes, field by field (the real cluster accepts it: see
-    /// tests/e2e/tests/kubernetes.rs).
+    /// tests/e2e/tests/e2e/kubernetes.rs).
     // A client needs a runtime (its request buffer is a task); nothing is sent.
     #[tokio::test]
     async fn the_pod_carries_the_contract_and_the_jobs_shape() {

@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 use reqwest::Url;
 use serde::Deserialize;
 
-use crate::config::ConfigError;
+use crate::setting::Problems;
 
 /// How sandboxes are made.
 #[derive(Clone, Deserialize)]
@@ -28,19 +28,19 @@ pub struct OpenSandboxConfig {
     #[serde(default = "default_memory")]
     pub memory: String,
     /// The sandbox's lifetime: the job's ceiling (the server removes it after that).
-    #[serde(default = "default_timeout", with = "crate::config::duration")]
+    #[serde(default = "default_timeout", with = "crate::setting::duration")]
     pub timeout: Duration,
     /// More environment for the supervisor (e.g. `SUPERVISOR_DOCKER = "false"` where the
     /// sandbox cannot run a nested dockerd). Never secrets, never contract variables.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     /// How long one API request may take.
-    #[serde(default = "default_request_timeout", with = "crate::config::duration")]
+    #[serde(default = "default_request_timeout", with = "crate::setting::duration")]
     pub request_timeout: Duration,
     /// `[opensandbox.spire]`: one SPIRE entry per sandbox, so that the supervisor inside
     /// gets exactly its job's SVID from the sandbox's own agent.
     #[serde(default)]
-    pub spire: Option<crate::spire::SpireConfig>,
+    pub spire: Option<crate::driver::spire::SpireConfig>,
 }
 
 impl std::fmt::Debug for OpenSandboxConfig {
@@ -72,32 +72,29 @@ fn default_request_timeout() -> Duration {
 }
 
 impl OpenSandboxConfig {
-    /// # Errors
-    /// The setting that is wrong, and why.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |setting: &str, message: String| Err(ConfigError::invalid(format!("opensandbox.{setting}"), message));
+    pub fn validate(&self, problems: &mut Problems) {
+        let mut invalid = |setting: &str, message: String| problems.add(format!("opensandbox.{setting}"), message);
         if !(self.url.starts_with("http://") || self.url.starts_with("https://")) || Url::parse(&self.url).is_err() {
-            return invalid("url", format!("{:?} must be the http(s) URL of the OpenSandbox Lifecycle API", self.url));
+            invalid("url", format!("{:?} must be the http(s) URL of the OpenSandbox Lifecycle API", self.url));
         }
         if self.image.trim().is_empty() {
-            return invalid("image", "the runner image is required".into());
+            invalid("image", "the runner image is required".into());
         }
         if self.entrypoint.is_empty() {
-            return invalid("entrypoint", "must name the supervisor (the default does)".into());
+            invalid("entrypoint", "must name the supervisor (the default does)".into());
         }
         if self.timeout < Duration::from_secs(60) {
-            return invalid("timeout", "must be at least 1m (OpenSandbox's minimum)".into());
+            invalid("timeout", "must be at least 1m (OpenSandbox's minimum)".into());
         }
         if self.request_timeout.is_zero() {
-            return invalid("request_timeout", "must be positive".into());
+            invalid("request_timeout", "must be positive".into());
         }
         if let Err(message) = crate::driver::check_extra_env(&self.env) {
-            return invalid("env", message);
+            invalid("env", message);
         }
         if let Some(spire) = &self.spire {
-            spire.validate("opensandbox.spire")?;
+            spire.validate("opensandbox.spire", problems);
         }
-        Ok(())
     }
 }
 
@@ -119,7 +116,7 @@ image = "gitea-dynamic-runner/runner:latest"
     #[test]
     fn settings_are_validated_with_their_names() {
         let defaults = config();
-        assert!(defaults.validate().is_ok());
+        assert_eq!(Problems::check(|p| defaults.validate(p)), Ok(()));
         assert_eq!(defaults.entrypoint[..3], ["/usr/local/bin/supervisor", "run", "--"]);
         assert_eq!((defaults.cpu.as_str(), defaults.memory.as_str(), defaults.timeout), ("2", "4Gi", Duration::from_secs(10_800)));
         type Change = fn(&mut OpenSandboxConfig);
@@ -135,8 +132,8 @@ image = "gitea-dynamic-runner/runner:latest"
         for &(change, setting) in cases {
             let mut config = config();
             change(&mut config);
-            let Err(ConfigError::Invalid { setting: named, message }) = config.validate() else { panic!("{setting} passed") };
-            assert_eq!(named, setting, "{message}");
+            let problems = Problems::check(|p| config.validate(p)).expect_err(setting);
+            assert_eq!(problems.settings(), [setting], "{problems}");
         }
     }
 }

@@ -75,7 +75,7 @@ impl OpenSandboxDriver {
     pub async fn connect(config: OpenSandboxConfig) -> Result<Self, DriverError> {
         let placement = Placement::VM_OPENSANDBOX;
         let unavailable = |detail: String| DriverError::Unavailable { placement: placement.to_string(), detail };
-        config.validate().map_err(|error| unavailable(error.to_string()))?;
+        crate::setting::Problems::check(|problems| config.validate(problems)).map_err(|problems| unavailable(problems.to_string()))?;
         let key = read_key(&config.api_key_file).map_err(unavailable)?;
         let tls = connect::client::default_tls().map_err(|e| unavailable(format!("cannot set up TLS: {e}")))?;
         let http = reqwest::Client::builder()

@@ -19,6 +19,7 @@ pub fn all(settings: &Settings) -> Vec<Outcome> {
         dockerd(settings),
         facade(settings),
         runner(settings),
+        cache(settings),
         runner_file(settings),
         zombies(),
     ]
@@ -294,6 +295,33 @@ pub(super) fn runner(settings: &Settings) -> Outcome {
             ),
         ),
     }
+}
+
+/// The jobs' cache: the runner's configuration sends `actions/cache` to the agent's
+/// proxy (`cache.external_server`), registering each job with the secret the agent
+/// writes into the runner's home (`cache.external_secret_file`).
+pub(super) fn cache(settings: &Settings) -> Outcome {
+    const ID: &str = "cache";
+    let Ok(config) = std::fs::read_to_string(&settings.runner_config) else {
+        return Outcome::skip(ID, format!("{} is unreadable (see the runner check)", settings.runner_config.display()));
+    };
+    let value = |key: &str| config.lines().find_map(|line| line.trim().strip_prefix(key)).map(|value| value.trim().trim_matches('"').to_owned());
+    let server = format!("{}/", contract::cache::URL);
+    let secret = settings.runner_dir.join(contract::cache::SECRET_FILE).display().to_string();
+    let configured = format!(
+        "{}: cache.external_server {:?}, cache.external_secret_file {:?}",
+        settings.runner_config.display(),
+        value("external_server:"),
+        value("external_secret_file:")
+    );
+    if value("external_server:").as_deref() != Some(server.as_str()) || value("external_secret_file:").as_deref() != Some(secret.as_str()) {
+        return Outcome::fail(
+            ID,
+            format!("{configured}: the jobs' actions/cache would not reach the controller's cache"),
+            format!("set cache.enabled: true, cache.external_server: {server} and cache.external_secret_file: {secret}"),
+        );
+    }
+    Outcome::pass(ID, format!("actions/cache goes to {server} (the agent's proxy to the controller's cache)"))
 }
 
 /// The version in a runner's `--version` line: "gitea-runner version v3.3.0" or

@@ -53,6 +53,7 @@ pub fn parse_packages(text: &str) -> Result<Vec<Package>, String> {
 pub fn all(settings: &Settings) -> Vec<Outcome> {
     let mut outcomes = packages(&settings.packages);
     outcomes.push(super::checks::runner(settings));
+    outcomes.push(super::checks::cache(settings));
     outcomes.push(job_started(&settings.runner_config));
     outcomes.push(runner_user(settings));
     outcomes

@@ -1,0 +1,199 @@
+//! The cache on the facade's own transport: an environment's supervisor forwards its
+//! job's `actions/cache` requests here (`/gdr.cache.v1.Cache/<the cache API's path>`),
+//! over the same connection — its own unix socket, or SPIFFE mTLS — that carries its
+//! reports, with its session capability. So the cache needs no credential of its own in
+//! any environment, and a job's scope is what its task says, never what it claims: its
+//! repository, the ref it may save under, the refs it may restore from. The cache
+//! answers while the assignment is claimed and not finished; the job's runtime token
+//! must come with each request too (what the toolkit sends anyway).
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use ::cache::{Cache, Scope};
+use proto::{facade::v1::AssignmentCredential, runner::v1::Task};
+
+use super::{Facade, Peer};
+use crate::store::State;
+
+use contract::cache::{HEADER_ASSIGNMENT, HEADER_CAPABILITY, HEADER_URL, PREFIX};
+
+/// The cache route of the facade's server.
+#[derive(Debug, Clone)]
+pub struct CacheRoute {
+    facade: Arc<Facade>,
+    cache: Arc<Cache>,
+}
+
+impl CacheRoute {
+    pub fn new(facade: Arc<Facade>, cache: Arc<Cache>) -> Self {
+        CacheRoute { facade, cache }
+    }
+}
+
+impl tonic::server::NamedService for CacheRoute {
+    const NAME: &'static str = "gdr.cache.v1.Cache";
+}
+
+type Body = tonic::body::Body;
+
+impl tower::Service<http::Request<Body>> for CacheRoute {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let route = self.clone();
+        Box::pin(async move { Ok(route.answer(request).await.map(Body::new)) })
+    }
+}
+
+impl CacheRoute {
+    async fn answer(&self, request: http::Request<Body>) -> ::cache::Response {
+        let (mut parts, body) = request.into_parts();
+        let (scope, base) = match self.admit(&parts).await {
+            Ok(admitted) => admitted,
+            Err((status, message)) => return ::cache::http::message(status, message),
+        };
+        let path = parts.uri.path().strip_prefix(PREFIX).unwrap_or("/").to_owned();
+        let path_and_query = match parts.uri.query() {
+            Some(query) => format!("{path}?{query}"),
+            None => path,
+        };
+        parts.uri = match path_and_query.parse() {
+            Ok(uri) => uri,
+            Err(_) => return ::cache::http::message(400, "the request's path is not a URI"),
+        };
+        self.cache.handle(&scope, &base, http::Request::from_parts(parts, body)).await
+    }
+
+    /// The job's scope, and the cache's URL as it reaches it; or why it may not ask.
+    async fn admit(&self, request: &http::request::Parts) -> Result<(Scope, String), (u16, String)> {
+        let peer = request.extensions.get::<Peer>().cloned().ok_or((401, "the transport established no peer identity".to_owned()))?;
+        let header = |name: &str| request.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        let credential = AssignmentCredential { assignment_id: header(HEADER_ASSIGNMENT), capability: header(HEADER_CAPABILITY) };
+        let (record, assignment) = self.facade.authorize_session(&peer, &credential).await.map_err(|status| (401, status.message().to_owned()))?;
+        match &record.value.state {
+            State::Claimed { .. } => {}
+            State::Pending => return Err((403, format!("{} is not claimed yet", assignment.id))),
+            State::Terminal { .. } => return Err((403, format!("{} has ended: its job's cache access ended with it", assignment.id))),
+        }
+        let bearer = header(http::header::AUTHORIZATION.as_str());
+        let token = bearer.strip_prefix("Bearer ").unwrap_or("");
+        // Compared as digests: how long the comparison takes says nothing of the token.
+        let digest = |text: &str| ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
+        if !runtime_tokens(&assignment.task).iter().any(|known| !known.is_empty() && digest(known).as_ref() == digest(token).as_ref()) {
+            return Err((401, "the request does not carry this job's ACTIONS_RUNTIME_TOKEN".to_owned()));
+        }
+        let base = header(HEADER_URL);
+        if !(base.starts_with("http://") || base.starts_with("https://")) {
+            return Err((400, format!("{HEADER_URL} must be the cache's URL as the job reaches it")));
+        }
+        Ok((scope_of(&assignment.task), base))
+    }
+}
+
+/// What the runner gives jobs as ACTIONS_RUNTIME_TOKEN: Gitea's runtime token of the
+/// task, or the task's token where Gitea gives none (the runners' own fallback).
+fn runtime_tokens(task: &Task) -> [String; 4] {
+    let secret = |name: &str| task.secrets.get(name).cloned().unwrap_or_default();
+    [context_str(task, "gitea_runtime_token"), context_str(task, "token"), secret("GITEA_TOKEN"), secret("GITHUB_TOKEN")]
+}
+
+fn context_str(task: &Task, name: &str) -> String {
+    task.context
+        .as_ref()
+        .and_then(|context| context.fields.get(name))
+        .and_then(|value| match &value.kind {
+            Some(prost_types::value::Kind::StringValue(text)) => Some(text.clone()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// GitHub's cache scope of a task: its repository; it saves under its own ref, and
+/// restores from that ref, then its pull request's base branch, then the default branch.
+pub fn scope_of(task: &Task) -> Scope {
+    let git_ref = context_str(task, "ref");
+    let base = context_str(task, "base_ref");
+    let default_branch = task
+        .context
+        .as_ref()
+        .and_then(|context| context.fields.get("event"))
+        .and_then(|event| match &event.kind {
+            Some(prost_types::value::Kind::StructValue(event)) => event.fields.get("repository"),
+            _ => None,
+        })
+        .and_then(|repository| match &repository.kind {
+            Some(prost_types::value::Kind::StructValue(repository)) => repository.fields.get("default_branch"),
+            _ => None,
+        })
+        .and_then(|branch| match &branch.kind {
+            Some(prost_types::value::Kind::StringValue(branch)) => Some(branch.clone()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    let branch = |name: &str| if name.is_empty() || name.starts_with("refs/") { name.to_owned() } else { format!("refs/heads/{name}") };
+    Scope::new(context_str(task, "repository"), branch(&git_ref), [branch(&base), branch(&default_branch)])
+}
+
+#[cfg(test)]
+mod tests {
+    use prost_types::{Struct, Value, value::Kind};
+
+    use super::*;
+
+    fn string(text: &str) -> Value {
+        Value { kind: Some(Kind::StringValue(text.to_owned())) }
+    }
+
+    fn task(fields: &[(&str, &str)], default_branch: Option<&str>) -> Task {
+        let mut context: std::collections::BTreeMap<String, Value> = fields.iter().map(|(k, v)| ((*k).to_owned(), string(v))).collect();
+        if let Some(branch) = default_branch {
+            let repository = Struct { fields: [("default_branch".to_owned(), string(branch))].into() };
+            let event = Struct { fields: [("repository".to_owned(), Value { kind: Some(Kind::StructValue(repository)) })].into() };
+            context.insert("event".to_owned(), Value { kind: Some(Kind::StructValue(event)) });
+        }
+        Task { context: Some(Struct { fields: context }), ..Task::default() }
+    }
+
+    /// A task's context fields and default branch → the ref it saves under and the refs
+    /// it restores from.
+    type Case<'a> = (&'a [(&'a str, &'a str)], Option<&'a str>, &'a str, &'a [&'a str]);
+
+    #[test]
+    fn scopes_are_what_the_task_says() {
+        let table: &[Case<'_>] = &[
+            (&[("repository", "o/r"), ("ref", "refs/heads/main")], Some("main"), "refs/heads/main", &["refs/heads/main"]),
+            (&[("repository", "o/r"), ("ref", "refs/heads/feature")], Some("main"), "refs/heads/feature", &["refs/heads/feature", "refs/heads/main"]),
+            (
+                &[("repository", "o/r"), ("ref", "refs/pull/7/head"), ("base_ref", "release")],
+                Some("main"),
+                "refs/pull/7/head",
+                &["refs/pull/7/head", "refs/heads/release", "refs/heads/main"],
+            ),
+            (&[("repository", "o/r"), ("ref", "refs/tags/v1")], None, "refs/tags/v1", &["refs/tags/v1"]),
+        ];
+        for (fields, default_branch, write, read_expected) in table {
+            let scope = scope_of(&task(fields, *default_branch));
+            let read: Vec<&str> = scope.read.iter().map(String::as_str).collect();
+            assert_eq!((scope.repository.as_str(), scope.write.as_str(), read.as_slice()), ("o/r", *write, *read_expected), "{fields:?}");
+        }
+    }
+
+    #[test]
+    fn the_runtime_token_is_gitea_s_or_the_task_s() {
+        let mut task = task(&[("gitea_runtime_token", "runtime")], None);
+        task.secrets.insert("GITEA_TOKEN".into(), "task-token".into());
+        assert_eq!(runtime_tokens(&task), ["runtime", "", "task-token", ""].map(str::to_owned));
+    }
+}

@@ -1,0 +1,107 @@
+//! The docker driver against a real dockerd (Debian's, started here in a private
+//! network namespace with the vfs storage driver so it needs no loop devices): one
+//! container per assignment with the environment contract and recovery labels,
+//! creation idempotent by assignment id, listing by labels, removal once terminal, and
+//! the host's address in the containers' network.
+//! Uses the explicit capability list, because `--privileged` is refused on these hosts.
+
+use std::{collections::BTreeMap, process::Command};
+
+use crate::common::dockerd::{Dockerd, dockerd, import_image};
+use controller::{
+    assignment::Placement,
+    driver::{
+        self, Driver, EnvironmentSpec, Phase,
+        docker::{DockerConfig, DockerDriver},
+    },
+};
+
+fn spec(assignment_id: &str, facade_dir: &std::path::Path) -> EnvironmentSpec {
+    EnvironmentSpec {
+        assignment_id: assignment_id.to_owned(),
+        name: driver::environment_name("test", assignment_id),
+        labels: driver::labels_for("test", assignment_id, Placement::CONTAINER_DOCKER),
+        env: BTreeMap::from([
+            ("CI_ASSIGNMENT_ID".to_owned(), assignment_id.to_owned()),
+            ("CI_RUNNER_CAPABILITY_FILE".to_owned(), "/run/gitea-dynamic-runner/capability".to_owned()),
+            ("CI_RUNNER_FACADE_URL".to_owned(), "unix:///run/gitea-dynamic-runner/facade.sock".to_owned()),
+        ]),
+        facade_dir: Some(driver::FacadeDir { host: facade_dir.join(assignment_id), capability: "v1.capability".into() }),
+    }
+}
+
+fn inspect(docker: &Dockerd, name: &str, format: &str) -> String {
+    let output =
+        Command::new("docker").env("DOCKER_HOST", format!("unix://{}", docker.socket.display())).args(["inspect", "--format", format, name]).output().unwrap();
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_container_per_assignment_idempotent_listed_and_removed() {
+    let docker = dockerd();
+    import_image(&docker, "gdr-runner:test");
+    let facade_dir = tempfile::tempdir().unwrap();
+    let facade_dir = facade_dir.path();
+    std::fs::create_dir_all(facade_dir.join("gitea-task-7")).unwrap();
+    std::fs::create_dir_all(facade_dir.join("gitea-task-8")).unwrap();
+    let mut config = DockerConfig::unprivileged_loop_capable("gdr-runner:test");
+    config.socket = docker.socket.display().to_string();
+    config.stop_seconds = 1;
+    config.memory = "512M".into();
+    config.cpus = "0.5".into();
+    config.pids_limit = 300;
+    let driver = DockerDriver::connect(config).await.unwrap();
+
+    let first = driver.create(&spec("gitea-task-7", facade_dir)).await.unwrap();
+    let again = driver.create(&spec("gitea-task-7", facade_dir)).await.unwrap();
+    assert_eq!(first, again);
+    assert_eq!(first.phase, Phase::Running);
+    assert_eq!(first.assignment_id, "gitea-task-7");
+    let name = &first.name;
+    let env = inspect(&docker, name, "{{json .Config.Env}}");
+    assert!(env.contains("CI_ASSIGNMENT_ID=gitea-task-7") && env.contains("SUPERVISOR_STORAGE_SIZE=10G"), "{env}");
+    assert!(!env.contains("v1.capability"), "the capability is in the container's configuration: {env}");
+    assert_eq!(inspect(&docker, name, "{{.HostConfig.Privileged}}"), "false");
+    assert!(inspect(&docker, name, "{{json .HostConfig.DeviceCgroupRules}}").contains("c 10:237 rmw"));
+    let own = format!("{}:/run/gitea-dynamic-runner", facade_dir.join("gitea-task-7").display());
+    assert_eq!(inspect(&docker, name, "{{json .HostConfig.Binds}}"), format!("[\"{own}\"]"), "only its own facade directory is mounted");
+    let limits = inspect(&docker, name, "{{.HostConfig.Memory}} {{.HostConfig.MemorySwap}} {{.HostConfig.NanoCpus}} {{.HostConfig.PidsLimit}}");
+    assert_eq!(limits, "536870912 536870912 500000000 300");
+
+    // This dockerd made its default bridge itself, as on a machine's first start, so the
+    // network reports a subnet and no gateway: the host's address must still be the one
+    // Docker gives the container as its gateway (run-local serves the repository there).
+    let gateway = inspect(&docker, name, "{{.NetworkSettings.Gateway}}");
+    assert!(!gateway.is_empty(), "the container has no gateway on the default bridge");
+    assert_eq!(driver.host_address().await.unwrap().to_string(), gateway);
+
+    driver.create(&spec("gitea-task-8", facade_dir)).await.unwrap();
+    let selector = BTreeMap::from([(driver::LABEL_PLACEMENT.to_owned(), "container.docker".to_owned())]);
+    let mut listed: Vec<String> = driver.list(&selector).await.unwrap().into_iter().map(|e| e.assignment_id).collect();
+    listed.sort();
+    assert_eq!(listed, ["gitea-task-7", "gitea-task-8"], "exactly one container per assignment");
+
+    driver.stop(name).await.unwrap();
+    assert_eq!(driver.get(name).await.unwrap(), None, "a terminal container was not removed");
+    driver.delete(name).await.unwrap();
+    driver.delete(&driver::environment_name("test", "gitea-task-8")).await.unwrap();
+    assert!(driver.list(&selector).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_image_is_a_clear_refusal() {
+    let docker = dockerd();
+    let mut config = DockerConfig::unprivileged_loop_capable("gdr-runner:absent");
+    config.socket = docker.socket.display().to_string();
+    let driver = DockerDriver::connect(config).await.unwrap();
+    let error = driver.create(&spec("gitea-task-9", std::path::Path::new("/nonexistent"))).await.unwrap_err();
+    assert!(error.to_string().contains("gdr-runner:absent"), "{error}");
+}
+
+#[tokio::test]
+async fn a_missing_socket_is_named() {
+    let mut config = DockerConfig::unprivileged_loop_capable("x");
+    config.socket = "/nonexistent/docker.sock".into();
+    let error = DockerDriver::connect(config).await.unwrap_err();
+    assert!(error.to_string().contains("/nonexistent/docker.sock"), "{error}");
+}

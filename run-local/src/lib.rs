@@ -1,0 +1,26 @@
+//! `run-local`: a workflow file through the controller's whole pipeline — the
+//! embedded store, the docker driver, the supervisor in the runner image, the real
+//! runner — with this program in Gitea's place (an `act` counterpart).
+//!
+//! Layout:
+//! - [`cli`]: the command line, the way `act` takes it.
+//! - [`workflow`]: the file as the jobs Gitea would create (one per matrix
+//!   combination, after the jobs they need).
+//! - [`task`]: each job's Task as Gitea builds it (needs with results and outputs, the
+//!   event, inputs, secrets only from files).
+//! - [`repository`]: the local repository and mapped actions, served over git's smart
+//!   HTTP where the jobs' Gitea would be.
+//! - [`reports`]: the runner's reports, the logs streamed to the terminal.
+//! - [`run`]: the run itself — the pipeline built through the controller's
+//!   [`controller::pipeline::Pipeline`], jobs started in `needs` order, Ctrl-C.
+//! - [`exit`]: the codes the program exits with.
+
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod exit;
+pub mod reports;
+pub mod repository;
+pub mod run;
+pub mod task;
+pub mod workflow;

@@ -1,0 +1,115 @@
+//! The jobs' cache, as they reach it: a listener on `contract::cache::LISTEN` (loopback
+//! only) — the runner configuration's `cache.external_server` — that sends `actions/cache`'s
+//! requests (`/_apis/artifactcache/…`, the v2 `CacheService`) to the controller over the
+//! facade's own connection, with this environment's session. Nothing of the cache's is
+//! stored here: the controller knows the job's repository and refs from its task.
+//!
+//! gitea-runner registers each job with its external cache (`/_internal/register`, with
+//! its `external_secret`): answered here, with the secret this agent wrote for this
+//! environment alone, and with this listener as the job's results URL — which makes
+//! gitea-runner advertise the v2 cache API to the job. The registration names a
+//! repository; nothing here uses it. What is not the cache (the v2 `ArtifactService`
+//! that `ACTIONS_RESULTS_URL` now points here too) goes on to Gitea, as the loopback's
+//! pass-through does.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use connect::{BoxBody, Fallback};
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+
+use super::{
+    facade_client::FacadeClient,
+    proxy::{bad_gateway, strip_hop_by_hop},
+};
+
+/// What the cache proxy sends on to the controller.
+fn is_cache(path: &str) -> bool {
+    path.starts_with("/_apis/artifactcache/") || path.starts_with("/twirp/github.actions.results.api.v1.CacheService/")
+}
+
+/// Serves the job's cache on `contract::cache::LISTEN` until `shutdown`; `gitea` answers
+/// what is not the cache.
+///
+/// # Errors
+/// When the address cannot be bound (another process of the environment has it).
+pub async fn start(
+    facade: FacadeClient,
+    secret: String,
+    gitea: Fallback,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> std::io::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
+    let listener = tokio::net::TcpListener::bind(contract::cache::LISTEN).await?;
+    let router = Arc::new(connect::Router::new(proto::descriptor_pool().clone()));
+    let fallback = handler(facade, Arc::new(secret), gitea);
+    Ok(tokio::spawn(connect::serve_with_fallback(listener, router, Some(fallback), shutdown, std::time::Duration::from_secs(5))))
+}
+
+fn handler(facade: FacadeClient, secret: Arc<String>, gitea: Fallback) -> Fallback {
+    Arc::new(move |request: http::Request<Incoming>| {
+        let (facade, secret, gitea) = (facade.clone(), Arc::clone(&secret), Arc::clone(&gitea));
+        Box::pin(async move {
+            match request.uri().path() {
+                "/_internal/register" => register(&request, &secret),
+                "/_internal/revoke" => json(StatusCode::OK, "{}"),
+                path if is_cache(path) => forward(&facade, request).await,
+                _ => gitea(request).await,
+            }
+        })
+    })
+}
+
+/// gitea-runner's registration of a job: with this environment's secret, the answer is
+/// this listener as the job's results URL.
+fn register(request: &http::Request<Incoming>, secret: &str) -> Response<BoxBody> {
+    let given = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
+    // Compared as digests: how long the comparison takes says nothing of the secret.
+    let digest = |text: &str| ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
+    if request.method() != http::Method::POST || digest(given).as_ref() != digest(secret).as_ref() {
+        return json(StatusCode::UNAUTHORIZED, r#"{"error":"internal: bad secret"}"#);
+    }
+    json(StatusCode::OK, &serde_json::json!({ "results_url": contract::cache::URL }).to_string())
+}
+
+/// One cache request, to the controller and back, streaming both ways.
+async fn forward(facade: &FacadeClient, request: http::Request<Incoming>) -> Response<BoxBody> {
+    let (mut parts, body) = request.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    parts.headers.remove(header::HOST);
+    parts.headers.insert(contract::cache::HEADER_URL, HeaderValue::from_static(contract::cache::URL));
+    parts.version = http::Version::HTTP_2;
+    let body = tonic::body::Body::new(body);
+    match facade.cache(http::Request::from_parts(parts, body)).await {
+        Ok(response) => response.map(|body| body.map_err(|status| Box::new(status) as Box<dyn std::error::Error + Send + Sync>).boxed_unsync()),
+        Err(error) => {
+            tracing::warn!(error = %crate::error_chain(&error), "cannot reach the controller's cache");
+            let mut response = bad_gateway(&format!("the cache is unavailable: the controller does not answer ({})", crate::error_chain(&error)));
+            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            response
+        }
+    }
+}
+
+fn json(status: StatusCode, body: &str) -> Response<BoxBody> {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_owned())).map_err(|never| match never {}).boxed_unsync());
+    *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_cache_goes_to_the_controller() {
+        for path in ["/_apis/artifactcache/cache", "/_apis/artifactcache/caches/7", "/twirp/github.actions.results.api.v1.CacheService/CreateCacheEntry"] {
+            assert!(is_cache(path), "{path}");
+        }
+        for path in ["/twirp/github.actions.results.api.v1.ArtifactService/CreateArtifact", "/api/v1/repos/o/r", "/_apis/artifactcachex"] {
+            assert!(!is_cache(path), "{path}");
+        }
+    }
+}

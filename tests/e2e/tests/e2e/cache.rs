@@ -1,0 +1,220 @@
+//! The jobs' cache for real: the real Gitea (1.23 or 1.27), the runner image with the
+//! supervisor as PID 1, the real gitea-runner, and `uses: actions/cache@v4` — mirrored
+//! into the test Gitea (`DEFAULT_ACTIONS_URL = self`): actions/cache@v4's steps over the
+//! real `@actions/cache` client it bundles, built as the action is (tests/e2e/actions).
+//! gitea-runner registers each job with the supervisor's cache proxy and rewrites the
+//! action's bundle, so the client speaks the v2 API; a step that clears
+//! `ACTIONS_CACHE_SERVICE_V2` makes it speak v1. Both reach the controller's cache over
+//! the facade's own connection.
+//!
+//! What GitHub promises, checked on Gitea's own records of each job: a save restores in
+//! the next job of the repository; another repository with the same key misses; a pull
+//! request's job restores the default branch's entry and its own save never reaches the
+//! default branch; a restarted controller still has every committed entry. And from
+//! inside a job, with all a step can read, the cache gives nothing it should not.
+
+use std::time::Duration;
+
+use e2e::{
+    docker::host,
+    stack::{Controller, Options},
+};
+use testkit::{
+    gitea::{Gitea, GiteaOptions, Repo, TaskInfo, strip_log_timestamps},
+    wait_until,
+};
+
+/// Two cache steps (`shared` on v1, `own` on v2) and a probe: what each restores and
+/// whether the probe sees the pull request's save.
+const WORKFLOW: &str = r#"name: cache
+on:
+  push:
+    branches: [main]
+  pull_request:
+jobs:
+  cache:
+    runs-on: [disposable, container, docker]
+    steps:
+      - id: shared
+        uses: actions/cache@v4
+        env:
+          ACTIONS_CACHE_SERVICE_V2: ""
+        with:
+          path: shared
+          key: shared-v1
+      - run: |
+          echo "shared-hit=[${{ steps.shared.outputs.cache-hit }}]"
+          if [ -f shared/content ]; then echo "shared-content=$(cat shared/content)"; else
+            mkdir -p shared/deep && echo "written-by-${{ github.event_name }}" > shared/content
+            head -c 3000000 /dev/urandom > shared/deep/blob
+          fi
+      - id: own
+        uses: actions/cache@v4
+        with:
+          path: own
+          key: own-${{ github.event_name }}
+      - run: |
+          echo "own-hit=[${{ steps.own.outputs.cache-hit }}]"
+          mkdir -p own && echo "${{ github.event_name }}" > own/content
+      - id: probe
+        uses: actions/cache@v4
+        with:
+          path: probe
+          key: own-pull_request
+          lookup-only: true
+      - run: echo "probe-hit=[${{ steps.probe.outputs.cache-hit }}]"
+"#;
+
+/// Gitea on the Docker host's bridge where `uses: OWNER/NAME` resolves to itself, with
+/// the cache action mirrored as actions/cache@v4.
+async fn gitea_with_the_cache_action() -> Gitea {
+    let gitea = Gitea::start(GiteaOptions {
+        bind: host().bridge_ip.into(),
+        actions_settings: vec![("DEFAULT_ACTIONS_URL".into(), "self".into())],
+        ..GiteaOptions::default()
+    })
+    .await;
+    let action = gitea.create_org_repo("actions", "cache").await;
+    let dist = testkit::peers_cache().join("node/cache-action/dist");
+    let source = e2e::paths::repository().join("tests/e2e/actions/cache");
+    gitea.commit_file(&action, "main", "action.yml", &std::fs::read(source.join("action.yml")).unwrap()).await;
+    for step in ["restore", "save"] {
+        let bundle = std::fs::read(dist.join(step).join("index.js"))
+            .unwrap_or_else(|e| panic!("{}: {e}: run scripts/install-test-peers (install-node-peers builds it)", dist.display()));
+        gitea.commit_file(&action, "main", &format!("dist/{step}/index.js"), &bundle).await;
+    }
+    gitea.create_tag(&action, "v4").await;
+    gitea
+}
+
+fn done(tasks: &[TaskInfo], expected: usize) -> bool {
+    tasks.len() >= expected && tasks.iter().all(|t| !t.is_open())
+}
+
+/// The `key=[value]` lines a job printed, and its whole log.
+async fn run_log(gitea: &Gitea, repo: &Repo, task: &TaskInfo) -> (std::collections::BTreeMap<String, String>, String) {
+    let log = strip_log_timestamps(&gitea.job_log(repo, task.run_number, 0).await);
+    let mut said = std::collections::BTreeMap::new();
+    for line in log.lines() {
+        for key in ["shared-hit", "shared-content", "own-hit", "probe-hit"] {
+            if let Some(value) = line.trim().strip_prefix(&format!("{key}=")) {
+                said.insert(key.to_owned(), value.trim_matches(|c| c == '[' || c == ']').to_owned());
+            }
+        }
+    }
+    (said, log)
+}
+
+/// Runs the next job of `repo` (started by `start`) to its end; what it printed.
+async fn next_job(
+    gitea: &Gitea,
+    repo: &Repo,
+    jobs_before: usize,
+    start: impl std::future::Future<Output = ()>,
+) -> (std::collections::BTreeMap<String, String>, String) {
+    start.await;
+    let tasks = gitea.wait_for_tasks(repo, Duration::from_secs(300), |t| done(t, jobs_before + 1)).await;
+    let task = tasks.last().unwrap().clone();
+    let (said, log) = run_log(gitea, repo, &task).await;
+    assert_eq!(task.status, "success", "{task:?}\n{log}");
+    (said, log)
+}
+
+fn metric(metrics: &str, name: &str) -> u64 {
+    metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).map_or(0, |v| v as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_cache_restores_across_jobs_scoped_as_github_and_survives_a_restart() {
+    let turn = e2e::exclusive().await;
+    let docker = host();
+    let image = docker.image("gitea-runner");
+    let gitea = gitea_with_the_cache_action().await;
+    let token = gitea.runner_registration_token().await;
+    let metrics_port = testkit::free_local_port();
+    let dir = e2e::stack::state_dir();
+    let options = || {
+        let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
+        options.state_dir = Some(dir.path().to_owned());
+        options.http_listen = format!("127.0.0.1:{metrics_port}");
+        options.job_dockerd = false;
+        options
+    };
+    let mut controller = Controller::start(options()).await;
+    let repo = gitea.create_repo("cache-a").await;
+
+    let mut table = vec![format!("{:<46} {:<12} {:<12} {:<12} {}", "job", "shared-hit", "own-hit", "probe-hit", "shared-content")];
+    let mut row = |job: &str, said: &std::collections::BTreeMap<String, String>| {
+        let get = |k: &str| said.get(k).cloned().unwrap_or_default();
+        table.push(format!("{job:<46} {:<12} {:<12} {:<12} {}", get("shared-hit"), get("own-hit"), get("probe-hit"), get("shared-content")));
+    };
+
+    // 1. The first job of the default branch: nothing to restore; it saves both.
+    let (first, log) = next_job(&gitea, &repo, 0, async {
+        gitea.commit_workflow(&repo, "cache.yml", WORKFLOW).await;
+    })
+    .await;
+    row("cache-a main, first", &first);
+    assert_eq!((first["shared-hit"].as_str(), first["own-hit"].as_str()), ("", ""), "{log}");
+    for needle in ["Cache not found for input keys: shared-v1", "Cache saved with key: shared-v1", "Cache saved with key: own-push"] {
+        assert!(log.contains(needle), "{needle:?} missing:\n{log}");
+    }
+
+    // 2. The next job of the default branch restores both (exact hits: nothing saved).
+    let (second, log) = next_job(&gitea, &repo, 1, async {
+        gitea.commit_file(&repo, "main", "second", b"2").await;
+    })
+    .await;
+    row("cache-a main, second", &second);
+    assert_eq!((second["shared-hit"].as_str(), second["own-hit"].as_str()), ("true", "true"), "{log}");
+    assert_eq!(second["shared-content"], "written-by-push");
+    assert!(log.contains("Cache restored from key: shared-v1") && log.contains("not saving cache"), "{log}");
+
+    // 3. Another repository with the same keys misses.
+    let other = gitea.create_repo("cache-b").await;
+    let (elsewhere, log) = next_job(&gitea, &other, 0, async {
+        gitea.commit_workflow(&other, "cache.yml", WORKFLOW).await;
+    })
+    .await;
+    row("cache-b main (another repository)", &elsewhere);
+    assert_eq!((elsewhere["shared-hit"].as_str(), elsewhere["own-hit"].as_str()), ("", ""), "{log}");
+
+    // 4. A pull request restores the default branch's entry; its own save stays its own.
+    gitea.create_branch(&repo, "feature").await;
+    let jobs_before = gitea.tasks(&repo).await.len();
+    let (pull, log) = next_job(&gitea, &repo, jobs_before, async {
+        gitea.commit_file(&repo, "feature", "feature", b"f").await;
+        gitea.open_pull_request(&repo, "feature").await;
+    })
+    .await;
+    row("cache-a pull request", &pull);
+    assert_eq!((pull["shared-hit"].as_str(), pull["shared-content"].as_str(), pull["own-hit"].as_str()), ("true", "written-by-push", ""), "{log}");
+    assert!(log.contains("Cache saved with key: own-pull_request"), "{log}");
+
+    // 5. The controller restarts; the default branch still has its entries, and never
+    //    sees the pull request's.
+    controller.stop().await;
+    controller = Controller::start(options()).await;
+    let jobs_before = gitea.tasks(&repo).await.len();
+    let (after, log) = next_job(&gitea, &repo, jobs_before, async {
+        gitea.commit_file(&repo, "main", "third", b"3").await;
+    })
+    .await;
+    row("cache-a main, after a controller restart", &after);
+    assert_eq!((after["shared-hit"].as_str(), after["own-hit"].as_str(), after["probe-hit"].as_str()), ("true", "true", ""), "{log}");
+    println!("{}", table.join("\n"));
+
+    let (_, metrics) = testkit::http_get(&format!("http://127.0.0.1:{metrics_port}/metrics")).await;
+    let (v1, v2) = (metric(&metrics, "gdr_cache_requests_total{api=\"v1\"}"), metric(&metrics, "gdr_cache_requests_total{api=\"v2\"}"));
+    println!(
+        "after the restart: requests v1 {v1}, v2 {v2}, hits {}, misses {}",
+        metric(&metrics, "gdr_cache_hits_total"),
+        metric(&metrics, "gdr_cache_misses_total")
+    );
+    assert!(v1 > 0 && v2 > 0, "both APIs were used after the restart: v1 {v1}, v2 {v2}\n{metrics}");
+    let label = controller.environment_label();
+    wait_until("every environment is removed", Duration::from_secs(60), || host().containers(&label).is_empty()).await;
+    controller.assert_running();
+    controller.stop().await;
+    drop(turn);
+}
