@@ -6,11 +6,13 @@
 //!
 //! gitea-runner registers each job with its external cache (`/_internal/register`, with
 //! its `external_secret`): answered here, with the secret this agent wrote for this
-//! environment alone, and with this listener as the job's results URL — which makes
-//! gitea-runner advertise the v2 cache API to the job. The registration names a
-//! repository; nothing here uses it. What is not the cache (the v2 `ArtifactService`
-//! that `ACTIONS_RESULTS_URL` now points here too) goes on to Gitea, as the loopback's
-//! pass-through does.
+//! environment alone. The registration names a repository; nothing here uses it. The
+//! answer's results URL decides which API gitea-runner advertises: this listener (v2)
+//! where the environment's Node.js has the global Web Crypto the v2 client's Azure
+//! uploads need (Node ≥ 19; Debian 12's Node 18 has not), else none (v1, which every
+//! client speaks). What is not the cache (the v2 `ArtifactService` that
+//! `ACTIONS_RESULTS_URL` points here too when v2 is advertised) goes on to Gitea, as the
+//! loopback's pass-through does.
 
 use std::sync::Arc;
 
@@ -70,7 +72,34 @@ fn register(request: &http::Request<Incoming>, secret: &str) -> Response<BoxBody
     if request.method() != http::Method::POST || digest(given).as_ref() != digest(secret).as_ref() {
         return json(StatusCode::UNAUTHORIZED, r#"{"error":"internal: bad secret"}"#);
     }
-    json(StatusCode::OK, &serde_json::json!({ "results_url": contract::cache::URL }).to_string())
+    let results_url = if node_speaks_v2() { contract::cache::URL } else { "" };
+    json(StatusCode::OK, &serde_json::json!({ "results_url": results_url }).to_string())
+}
+
+/// Whether the `node` that runs the job's actions has the global `crypto` the v2
+/// client's uploads use (asked once).
+fn node_speaks_v2() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
+        // From stdin, as a script runs: `node -e` would give it the crypto module as a
+        // global that a script does not see.
+        let probe = std::process::Command::new("node")
+            .arg("-")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write as _;
+                if let Some(mut stdin) = child.stdin.take() {
+                    stdin.write_all(b"process.exit(typeof globalThis.crypto === 'object' && globalThis.crypto.subtle ? 0 : 1)")?;
+                }
+                child.wait()
+            });
+        let v2 = probe.is_ok_and(|status| status.success());
+        tracing::info!(api = if v2 { "v2" } else { "v1" }, "the job's cache API (v2 needs Node.js with the global Web Crypto)");
+        v2
+    })
 }
 
 /// One cache request, to the controller and back, streaming both ways.

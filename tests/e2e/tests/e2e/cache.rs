@@ -3,9 +3,10 @@
 //! into the test Gitea (`DEFAULT_ACTIONS_URL = self`): actions/cache@v4's steps over the
 //! real `@actions/cache` client it bundles, built as the action is (tests/e2e/actions).
 //! gitea-runner registers each job with the supervisor's cache proxy and rewrites the
-//! action's bundle, so the client speaks the v2 API; a step that clears
-//! `ACTIONS_CACHE_SERVICE_V2` makes it speak v1. Both reach the controller's cache over
-//! the facade's own connection.
+//! action's bundle; the image's Node.js 18 has no global Web Crypto for the v2 client's
+//! uploads, so the proxy has gitea-runner advertise v1. A step that sets
+//! `ACTIONS_CACHE_SERVICE_V2` (and Node's flag for the global crypto) makes its client
+//! speak v2. Both reach the controller's cache over the facade's own connection.
 //!
 //! What GitHub promises, checked on Gitea's own records of each job: a save restores in
 //! the next job of the repository; another repository with the same key misses; a pull
@@ -24,7 +25,7 @@ use testkit::{
     wait_until,
 };
 
-/// Two cache steps (`shared` on v1, `own` on v2) and a probe: what each restores and
+/// Two cache steps (`shared` on v1, `own` on v2) and a probe (v1): what each restores and
 /// whether the probe sees the pull request's save.
 const WORKFLOW: &str = r#"name: cache
 on:
@@ -37,8 +38,6 @@ jobs:
     steps:
       - id: shared
         uses: actions/cache@v4
-        env:
-          ACTIONS_CACHE_SERVICE_V2: ""
         with:
           path: shared
           key: shared-v1
@@ -50,6 +49,9 @@ jobs:
           fi
       - id: own
         uses: actions/cache@v4
+        env:
+          ACTIONS_CACHE_SERVICE_V2: "true"
+          NODE_OPTIONS: --experimental-global-webcrypto
         with:
           path: own
           key: own-${{ github.event_name }}
@@ -194,7 +196,9 @@ async fn actions_cache_restores_across_jobs_scoped_as_github_and_survives_a_rest
     // 5. The controller restarts; the default branch still has its entries, and never
     //    sees the pull request's.
     controller.stop().await;
-    controller = Controller::start(options()).await;
+    // The embedded store's file is open until the first controller is gone.
+    drop(controller);
+    let mut controller = Controller::start(options()).await;
     let jobs_before = gitea.tasks(&repo).await.len();
     let (after, log) = next_job(&gitea, &repo, jobs_before, async {
         gitea.commit_file(&repo, "main", "third", b"3").await;
