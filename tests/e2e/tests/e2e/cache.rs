@@ -222,3 +222,102 @@ async fn actions_cache_restores_across_jobs_scoped_as_github_and_survives_a_rest
     controller.stop().await;
     drop(turn);
 }
+
+/// A step of a job with everything it can read — the runner's configuration, the
+/// registration secret in its home, its runtime token — attacking the cache. Each line
+/// `attack <name>: <status>`; every status must be a refusal.
+const ATTACK: &str = r#"name: attack
+on: push
+jobs:
+  attack:
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: |
+          url="${ACTIONS_CACHE_URL%/}"
+          version=$(printf 'shared|gzip|1.0' | sha256sum | cut -d' ' -f1)
+          code() { curl -s -o /dev/null -w '%{http_code}' "$@"; }
+          # A credential registered for another repository with the environment's own secret.
+          curl -s -X POST "$url/_internal/register" -H "Authorization: Bearer $(cat "$HOME/.cache-secret")" \
+            -d '{"token":"forged-token","repo":"gdr-admin/cache-a","results":"","public_url":""}'; echo
+          echo "attack register-and-use-a-forged-credential: $(code -H 'Authorization: Bearer forged-token' "$url/_apis/artifactcache/cache?keys=shared-v1&version=$version")"
+          echo "attack read-without-the-job-token: $(code "$url/_apis/artifactcache/cache?keys=shared-v1&version=$version")"
+          echo "attack read-another-repositorys-entry-by-key: $(code -H "Authorization: Bearer $ACTIONS_RUNTIME_TOKEN" "$url/_apis/artifactcache/cache?keys=shared-v1&version=$version")"
+          echo "attack read-another-repositorys-archive-by-id: $(code "$url/_apis/artifactcache/artifacts/TARGET_ID")"
+          echo "attack upload-into-another-repositorys-archive: $(code -X PATCH -H "Authorization: Bearer $ACTIONS_RUNTIME_TOKEN" -H 'Content-Range: bytes 0-3/*' --data-binary evil "$url/_apis/artifactcache/caches/TARGET_ID")"
+"#;
+
+/// In the repository's own default branch: a committed entry cannot be written again,
+/// by either API.
+const OVERWRITE: &str = r#"name: overwrite
+on: push
+jobs:
+  overwrite:
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: |
+          url="${ACTIONS_CACHE_URL%/}"
+          version=$(printf 'shared|gzip|1.0' | sha256sum | cut -d' ' -f1)
+          auth="Authorization: Bearer $ACTIONS_RUNTIME_TOKEN"
+          echo "attack overwrite-a-committed-entry-v1: $(curl -s -o /dev/null -w '%{http_code}' -X POST -H "$auth" -H 'Content-Type: application/json' \
+            -d "{\"key\":\"shared-v1\",\"version\":\"$version\",\"cacheSize\":4}" "$url/_apis/artifactcache/caches")"
+          echo "attack overwrite-a-committed-entry-v2: $(curl -s -X POST -H "$auth" -H 'Content-Type: application/json' \
+            -d "{\"key\":\"shared-v1\",\"version\":\"$version\"}" "$url/twirp/github.actions.results.api.v1.CacheService/CreateCacheEntry" | tr -d ' \n')"
+"#;
+
+/// What each attack line says, and whether that is a refusal.
+fn verdicts(log: &str) -> Vec<(String, String, bool)> {
+    log.lines()
+        .filter_map(|line| line.trim().strip_prefix("attack "))
+        .filter_map(|rest| rest.split_once(": "))
+        .map(|(name, answer)| {
+            let refused = matches!(answer, "401" | "403" | "404" | "409" | "204") || answer == r#"{"ok":false}"#;
+            (name.to_owned(), answer.to_owned(), refused)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cannot_forge_a_credential_read_another_repository_or_overwrite_an_entry() {
+    let turn = e2e::exclusive().await;
+    let docker = host();
+    let image = docker.image("gitea-runner");
+    let gitea = gitea_with_the_cache_action().await;
+    let token = gitea.runner_registration_token().await;
+    let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
+    options.job_dockerd = false;
+    let mut controller = Controller::start(options).await;
+    let victim = gitea.create_repo("cache-a").await;
+    next_job(&gitea, &victim, 0, async {
+        gitea.commit_workflow(&victim, "cache.yml", WORKFLOW).await;
+    })
+    .await;
+    // The id of the victim's archive, which the attacker is given (it could not learn it).
+    let entries = controller.state_dir.join("cache/blobs").join("gdr-admin%2Fcache-a");
+    let target = std::fs::read_dir(&entries).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).next().unwrap();
+
+    let attacker = gitea.create_repo("attacker").await;
+    let (_, log) = next_job(&gitea, &attacker, 0, async {
+        gitea.commit_workflow(&attacker, "attack.yml", &ATTACK.replace("TARGET_ID", &target)).await;
+    })
+    .await;
+    let mut all = verdicts(&log);
+    let jobs_before = gitea.tasks(&victim).await.len();
+    let (_, log_overwrite) = next_job(&gitea, &victim, jobs_before, async {
+        gitea.commit_workflow(&victim, "overwrite.yml", OVERWRITE).await;
+    })
+    .await;
+    all.extend(verdicts(&log_overwrite));
+    let table: Vec<String> = all.iter().map(|(name, answer, refused)| format!("{name:<50} {answer:<14} {}", if *refused { "refused" } else { "ALLOWED" })).collect();
+    println!("{:<50} {:<14} verdict\n{}", "attack from inside a job", "answer", table.join("\n"));
+    assert_eq!(all.len(), 7, "every attack reported:\n{log}\n{log_overwrite}");
+    assert!(all.iter().all(|(_, _, refused)| *refused), "an attack was not refused:\n{}\n{log}\n{log_overwrite}", table.join("\n"));
+    // The victim's entry is what its job saved (a push runs both of its workflows).
+    let jobs_before = gitea.tasks(&victim).await.len();
+    gitea.commit_file(&victim, "main", "again", b"again").await;
+    let tasks = gitea.wait_for_tasks(&victim, Duration::from_secs(300), |t| done(t, jobs_before + 2)).await;
+    let cache_job = tasks.iter().rev().find(|t| t.workflow_id == "cache.yml").unwrap();
+    let (after, log) = run_log(&gitea, &victim, cache_job).await;
+    assert_eq!(after.get("shared-content").map(String::as_str), Some("written-by-push"), "{log}");
+    controller.stop().await;
+    drop(turn);
+}
