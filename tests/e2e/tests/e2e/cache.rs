@@ -67,11 +67,11 @@ jobs:
       - run: echo "probe-hit=[${{ steps.probe.outputs.cache-hit }}]"
 "#;
 
-/// Gitea on the Docker host's bridge where `uses: OWNER/NAME` resolves to itself, with
-/// the cache action mirrored as actions/cache@v4.
-async fn gitea_with_the_cache_action() -> Gitea {
+/// Gitea on `bind` (where environments reach it) where `uses: OWNER/NAME` resolves to
+/// itself, with the cache action mirrored as actions/cache@v4.
+async fn gitea_with_the_cache_action(bind: std::net::IpAddr) -> Gitea {
     let gitea = Gitea::start(GiteaOptions {
-        bind: host().bridge_ip.into(),
+        bind,
         actions_settings: vec![("DEFAULT_ACTIONS_URL".into(), "self".into())],
         ..GiteaOptions::default()
     })
@@ -131,7 +131,7 @@ async fn actions_cache_restores_across_jobs_scoped_as_github_and_survives_a_rest
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = gitea_with_the_cache_action().await;
+    let gitea = gitea_with_the_cache_action(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
     let metrics_port = testkit::free_local_port();
     let dir = e2e::stack::state_dir();
@@ -281,7 +281,7 @@ async fn a_job_cannot_forge_a_credential_read_another_repository_or_overwrite_an
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = gitea_with_the_cache_action().await;
+    let gitea = gitea_with_the_cache_action(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.job_dockerd = false;
@@ -319,5 +319,41 @@ async fn a_job_cannot_forge_a_credential_read_another_repository_or_overwrite_an
     let (after, log) = run_log(&gitea, &victim, cache_job).await;
     assert_eq!(after.get("shared-content").map(String::as_str), Some("written-by-push"), "{log}");
     controller.stop().await;
+    drop(turn);
+}
+
+/// The Pod placement in the test cluster: the cache rides on the facade's TCP
+/// connection of each Pod; a second job restores what the first saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_cache_restores_across_jobs_in_pods() {
+    use e2e::kubernetes::{Cluster, cluster};
+    let turn = e2e::exclusive().await;
+    let cluster = tokio::task::block_in_place(cluster);
+    let image = tokio::task::block_in_place(|| cluster.image("gitea-runner"));
+    let namespace = tokio::task::block_in_place(|| cluster.namespace("gdr-e2e-cache"));
+    let gitea = gitea_with_the_cache_action(Cluster::HOST_IP.into()).await;
+    let token = gitea.runner_registration_token().await;
+    let mut options = Options::new(&gitea.url(), &token, &image, std::path::Path::new("/nonexistent"));
+    options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));
+    options.job_dockerd = false;
+    let mut controller = Controller::start(options).await;
+    let repo = gitea.create_repo("cache-pods").await;
+    let workflow = WORKFLOW.replace("[disposable, container, docker]", "[disposable, container, kubernetes]");
+    let (first, log) = next_job(&gitea, &repo, 0, async {
+        gitea.commit_workflow(&repo, "cache.yml", &workflow).await;
+    })
+    .await;
+    assert_eq!(first["shared-hit"], "", "{log}");
+    assert!(log.contains("Cache saved with key: shared-v1") && log.contains("Cache saved with key: own-push"), "{log}");
+    let (second, log) = next_job(&gitea, &repo, 1, async {
+        gitea.commit_file(&repo, "main", "second", b"2").await;
+    })
+    .await;
+    println!("pods: first {first:?}\npods: second {second:?}");
+    assert_eq!((second["shared-hit"].as_str(), second["own-hit"].as_str(), second["shared-content"].as_str()), ("true", "true", "written-by-push"), "{log}");
+    let label = controller.environment_label();
+    wait_until("every Pod is deleted", Duration::from_secs(90), || cluster.pods(&namespace, &label).is_empty()).await;
+    controller.stop().await;
+    tokio::task::block_in_place(|| cluster.kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
     drop(turn);
 }
