@@ -1,5 +1,5 @@
-//! The cache service through its HTTP interface, as `@actions/cache` calls it, on a
-//! directory (the same `object_store` API the S3 backend uses): the v1 and v2 flows,
+//! The cache service through its HTTP interface, as `@actions/cache` calls it, on both
+//! backends — a directory, and a real S3-compatible server (versitygw): the v1 and v2 flows,
 //! GitHub's scoping, committed entries never overwritten, chunks out of order, ranges,
 //! and the sweep's limits. The wire formats follow `@actions/cache` 4.x (its requests
 //! and what it reads of the answers); the real client runs in the e2e tests.
@@ -15,10 +15,77 @@ use http_body_util::{BodyExt as _, Full};
 const BASE: &str = "http://127.0.0.1:8781";
 const VERSION: &str = "4a12dc7233002e19937c6dadb33c15edb28fbb956a35e586003f83acdc591d39";
 
-fn cache(dir: &std::path::Path, limits: Limits) -> Cache {
-    let store = object_store::local::LocalFileSystem::new_with_prefix(dir).unwrap();
-    Cache::new(Arc::new(store), limits, Arc::new(CacheMetrics::default()))
+/// Where a test's cache keeps its entries: a directory, or a bucket of a real S3 server.
+enum Backend {
+    Directory(tempfile::TempDir),
+    S3(testkit::s3::S3Server),
 }
+
+impl Backend {
+    fn directory() -> Backend {
+        Backend::Directory(tempfile::tempdir().unwrap())
+    }
+
+    fn s3() -> Backend {
+        Backend::S3(testkit::s3::S3Server::start("cache"))
+    }
+
+    fn store(&self) -> Arc<dyn object_store::ObjectStore> {
+        match self {
+            Backend::Directory(dir) => cache::backend::directory(dir.path()).unwrap(),
+            Backend::S3(server) => cache::backend::s3(&cache::backend::S3 {
+                bucket: server.bucket.clone(),
+                endpoint: Some(server.endpoint.clone()),
+                region: "us-east-1".into(),
+                prefix: "ci/".into(),
+                access_key_id: testkit::s3::ACCESS_KEY_ID.into(),
+                secret_access_key: testkit::s3::SECRET_ACCESS_KEY.into(),
+                path_style: true,
+            })
+            .unwrap(),
+        }
+    }
+
+    fn cache(&self, limits: Limits) -> Cache {
+        Cache::new(self.store(), limits, Arc::new(CacheMetrics::default()))
+    }
+
+    /// The resolution of the times the store keeps (what tells which entry is older).
+    fn tick(&self) -> Duration {
+        match self {
+            Backend::Directory(_) => Duration::from_millis(20),
+            Backend::S3(_) => Duration::from_millis(1100),
+        }
+    }
+}
+
+/// Each case, once per backend.
+macro_rules! on_both_backends {
+    ($($case:ident),* $(,)?) => {
+        mod directory {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                super::$case(super::Backend::directory()).await
+            })*
+        }
+        mod s3 {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                super::$case(super::Backend::s3()).await
+            })*
+        }
+    };
+}
+
+on_both_backends!(
+    v1_saves_in_chunks_out_of_order_and_restores_by_key_and_prefix,
+    a_committed_entry_is_never_overwritten_and_a_broken_upload_is_refused,
+    scopes_follow_github_repositories_apart_pull_requests_read_main_but_never_write_it,
+    v2_creates_uploads_in_blocks_finalizes_and_restores,
+    the_sweep_keeps_each_repository_and_the_whole_within_limits_least_recently_used_first,
+    a_save_larger_than_the_limit_is_refused_with_the_setting_named,
+    two_controllers_on_one_store_share_the_entries,
+);
 
 fn roomy() -> Limits {
     Limits { max_total: 1 << 30, max_repository: 1 << 28, max_age: Duration::from_secs(3600) }
@@ -86,10 +153,8 @@ async fn restore_v1(cache: &Cache, scope: &Scope, keys: &[&str]) -> Option<(Stri
     Some((answer["cacheKey"].as_str().unwrap().to_owned(), archive))
 }
 
-#[tokio::test]
-async fn v1_saves_in_chunks_out_of_order_and_restores_by_key_and_prefix() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path(), roomy());
+async fn v1_saves_in_chunks_out_of_order_and_restores_by_key_and_prefix(backend: Backend) {
+    let cache = backend.cache(roomy());
     let scope = main_branch("acme/app");
     let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
     assert_eq!(restore_v1(&cache, &scope, &["deps-abc"]).await, None, "a miss is 204");
@@ -102,10 +167,8 @@ async fn v1_saves_in_chunks_out_of_order_and_restores_by_key_and_prefix() {
     assert_eq!(cache.metrics().misses.get(), 1);
 }
 
-#[tokio::test]
-async fn a_committed_entry_is_never_overwritten_and_a_broken_upload_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path(), roomy());
+async fn a_committed_entry_is_never_overwritten_and_a_broken_upload_is_refused(backend: Backend) {
+    let cache = backend.cache(roomy());
     let scope = main_branch("acme/app");
     assert_eq!(save_v1(&cache, &scope, "k", b"first", 2).await, (200, 200));
     assert_eq!(save_v1(&cache, &scope, "k", b"second", 2).await.0, 409, "the reserve of a committed key");
@@ -143,10 +206,8 @@ async fn a_committed_entry_is_never_overwritten_and_a_broken_upload_is_refused()
 }
 
 /// GitHub's scoping, as a table: who saves what, who restores what.
-#[tokio::test]
-async fn scopes_follow_github_repositories_apart_pull_requests_read_main_but_never_write_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path(), roomy());
+async fn scopes_follow_github_repositories_apart_pull_requests_read_main_but_never_write_it(backend: Backend) {
+    let cache = backend.cache(roomy());
     let main = main_branch("acme/app");
     let pr = pull_request("acme/app", 7);
     let other_pr = pull_request("acme/app", 8);
@@ -177,10 +238,8 @@ async fn scopes_follow_github_repositories_apart_pull_requests_read_main_but_nev
     assert_eq!(call(&cache, &other_repository, "GET", &path, &[], Bytes::new()).await.0, 404);
 }
 
-#[tokio::test]
-async fn v2_creates_uploads_in_blocks_finalizes_and_restores() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path(), roomy());
+async fn v2_creates_uploads_in_blocks_finalizes_and_restores(backend: Backend) {
+    let cache = backend.cache(roomy());
     let scope = main_branch("acme/app");
     let twirp = |method: &str| format!("/twirp/github.actions.results.api.v1.CacheService/{method}");
     let (status, _, body) = call(&cache, &scope, "POST", &twirp("GetCacheEntryDownloadURL"), &[], format!(r#"{{"key":"k","version":"{VERSION}"}}"#)).await;
@@ -223,19 +282,17 @@ async fn v2_creates_uploads_in_blocks_finalizes_and_restores() {
     assert_eq!(restore_v1(&cache, &scope, &["small"]).await.unwrap().1.as_ref(), b"tiny", "both APIs share the entries");
 }
 
-#[tokio::test]
-async fn the_sweep_keeps_each_repository_and_the_whole_within_limits_least_recently_used_first() {
-    let dir = tempfile::tempdir().unwrap();
+async fn the_sweep_keeps_each_repository_and_the_whole_within_limits_least_recently_used_first(backend: Backend) {
     let limits = Limits { max_total: 250, max_repository: 150, max_age: Duration::from_secs(3600) };
-    let cache = cache(dir.path(), limits);
+    let cache = backend.cache(limits);
     let (a, b) = (main_branch("acme/a"), main_branch("acme/b"));
     for key in ["a1", "a2", "a3"] {
         save_v1(&cache, &a, key, &[1u8; 60], 60).await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(backend.tick()).await;
     }
     for key in ["b1", "b2"] {
         save_v1(&cache, &b, key, &[2u8; 60], 60).await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(backend.tick()).await;
     }
     let swept = cache.sweep().await.unwrap();
     // a: 180 > 150 → a1 goes; then 120 + 120 = 240 ≤ 250.
@@ -243,15 +300,13 @@ async fn the_sweep_keeps_each_repository_and_the_whole_within_limits_least_recen
     assert_eq!(restore_v1(&cache, &a, &["a1"]).await, None);
     assert!(restore_v1(&cache, &a, &["a2"]).await.is_some());
     assert_eq!(cache.metrics().stored_entries.get(), 4);
-    let aged = self::cache(dir.path(), Limits { max_age: Duration::ZERO, ..limits });
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    let aged = backend.cache(Limits { max_age: Duration::ZERO, ..limits });
+    tokio::time::sleep(backend.tick()).await;
     assert_eq!(aged.sweep().await.unwrap().entries, 0, "every entry is older than a zero age limit");
 }
 
-#[tokio::test]
-async fn a_save_larger_than_the_limit_is_refused_with_the_setting_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path(), Limits { max_total: 1 << 20, max_repository: 1000, max_age: Duration::from_secs(60) });
+async fn a_save_larger_than_the_limit_is_refused_with_the_setting_named(backend: Backend) {
+    let cache = backend.cache(Limits { max_total: 1 << 20, max_repository: 1000, max_age: Duration::from_secs(60) });
     let scope = main_branch("acme/app");
     let (status, _, body) =
         call(&cache, &scope, "POST", "/_apis/artifactcache/caches", &[], format!(r#"{{"key":"big","version":"{VERSION}","cacheSize":5000}}"#)).await;
@@ -259,4 +314,15 @@ async fn a_save_larger_than_the_limit_is_refused_with_the_setting_named() {
     assert!(json(&body)["message"].as_str().unwrap().contains("cache.max_repository_size"), "{}", String::from_utf8_lossy(&body));
     let (status, _, _) = call(&cache, &scope, "GET", "/_apis/artifactcache/nothing", &[], Bytes::new()).await;
     assert_eq!(status, 404);
+}
+
+/// Two controllers (each its own cache over the same bucket or directory): what one
+/// saves, the other restores; a key one committed, the other refuses; and a restart is
+/// just another such cache.
+async fn two_controllers_on_one_store_share_the_entries(backend: Backend) {
+    let (first, second) = (backend.cache(roomy()), backend.cache(roomy()));
+    let scope = main_branch("acme/app");
+    assert_eq!(save_v1(&first, &scope, "shared", b"saved by the first", 7).await, (200, 200));
+    assert_eq!(restore_v1(&second, &scope, &["shared"]).await.unwrap().1.as_ref(), b"saved by the first");
+    assert_eq!(save_v1(&second, &scope, "shared", b"again", 7).await.0, 409);
 }

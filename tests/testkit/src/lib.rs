@@ -11,6 +11,7 @@
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
 //! - [`spire`]: a REAL SPIRE server and agent.
 //! - [`process`]: a controller process of the real binary, stopped and started again.
+//! - [`s3`]: a REAL S3-compatible server (versitygw).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
@@ -22,6 +23,7 @@ pub mod gitea;
 pub mod nats;
 pub mod opensandbox;
 pub mod process;
+pub mod s3;
 pub mod spire;
 pub mod wait;
 pub mod workload;
