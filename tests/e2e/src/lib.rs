@@ -8,6 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
+pub mod cache_action;
 pub mod docker;
 pub mod kubernetes;
 pub mod paths;

@@ -21,7 +21,7 @@ use e2e::{
     stack::{Controller, Options},
 };
 use testkit::{
-    gitea::{Gitea, GiteaOptions, Repo, TaskInfo, strip_log_timestamps},
+    gitea::{Gitea, Repo, TaskInfo, strip_log_timestamps},
     wait_until,
 };
 
@@ -66,28 +66,6 @@ jobs:
           lookup-only: true
       - run: echo "probe-hit=[${{ steps.probe.outputs.cache-hit }}]"
 "#;
-
-/// Gitea on `bind` (where environments reach it) where `uses: OWNER/NAME` resolves to
-/// itself, with the cache action mirrored as actions/cache@v4.
-async fn gitea_with_the_cache_action(bind: std::net::IpAddr) -> Gitea {
-    let gitea = Gitea::start(GiteaOptions {
-        bind,
-        actions_settings: vec![("DEFAULT_ACTIONS_URL".into(), "self".into())],
-        ..GiteaOptions::default()
-    })
-    .await;
-    let action = gitea.create_org_repo("actions", "cache").await;
-    let dist = testkit::peers_cache().join("node/cache-action/dist");
-    let source = e2e::paths::repository().join("tests/e2e/actions/cache");
-    gitea.commit_file(&action, "main", "action.yml", &std::fs::read(source.join("action.yml")).unwrap()).await;
-    for step in ["restore", "save"] {
-        let bundle = std::fs::read(dist.join(step).join("index.js"))
-            .unwrap_or_else(|e| panic!("{}: {e}: run scripts/install-test-peers (install-node-peers builds it)", dist.display()));
-        gitea.commit_file(&action, "main", &format!("dist/{step}/index.js"), &bundle).await;
-    }
-    gitea.create_tag(&action, "v4").await;
-    gitea
-}
 
 /// The `key=[value]` lines a job printed, and its whole log.
 async fn run_log(gitea: &Gitea, repo: &Repo, task: &TaskInfo) -> (std::collections::BTreeMap<String, String>, String) {
@@ -137,7 +115,7 @@ async fn actions_cache_restores_across_jobs_scoped_as_github_and_survives_a_rest
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = gitea_with_the_cache_action(docker.bridge_ip.into()).await;
+    let gitea = e2e::cache_action::gitea_with_it(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
     let metrics_port = testkit::free_local_port();
     let dir = e2e::stack::state_dir();
@@ -241,7 +219,7 @@ jobs:
     steps:
       - run: |
           url="${ACTIONS_CACHE_URL%/}"
-          version=$(printf 'shared|gzip|1.0' | sha256sum | cut -d' ' -f1)
+          version=$(printf 'shared|%s|1.0' "$(command -v zstd >/dev/null && echo zstd-without-long || echo gzip)" | sha256sum | cut -d' ' -f1)
           code() { curl -s -o /dev/null -w '%{http_code}' "$@"; }
           # A credential registered for another repository with the environment's own secret.
           curl -s -X POST "$url/_internal/register" -H "Authorization: Bearer $(cat "$HOME/.cache-secret")" \
@@ -263,7 +241,7 @@ jobs:
     steps:
       - run: |
           url="${ACTIONS_CACHE_URL%/}"
-          version=$(printf 'shared|gzip|1.0' | sha256sum | cut -d' ' -f1)
+          version=$(printf 'shared|%s|1.0' "$(command -v zstd >/dev/null && echo zstd-without-long || echo gzip)" | sha256sum | cut -d' ' -f1)
           auth="Authorization: Bearer $ACTIONS_RUNTIME_TOKEN"
           echo "attack overwrite-a-committed-entry-v1: $(curl -s -o /dev/null -w '%{http_code}' -X POST -H "$auth" -H 'Content-Type: application/json' \
             -d "{\"key\":\"shared-v1\",\"version\":\"$version\",\"cacheSize\":4}" "$url/_apis/artifactcache/caches")"
@@ -288,7 +266,7 @@ async fn a_job_cannot_forge_a_credential_read_another_repository_or_overwrite_an
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = gitea_with_the_cache_action(docker.bridge_ip.into()).await;
+    let gitea = e2e::cache_action::gitea_with_it(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.job_dockerd = false;
@@ -336,7 +314,7 @@ async fn actions_cache_restores_across_jobs_in_pods() {
     let cluster = tokio::task::block_in_place(cluster);
     let image = tokio::task::block_in_place(|| cluster.image("gitea-runner"));
     let namespace = tokio::task::block_in_place(|| cluster.namespace("gdr-e2e-cache"));
-    let gitea = gitea_with_the_cache_action(Cluster::HOST_IP.into()).await;
+    let gitea = e2e::cache_action::gitea_with_it(Cluster::HOST_IP.into()).await;
     let token = gitea.runner_registration_token().await;
     let mut options = Options::new(&gitea.url(), &token, &image, std::path::Path::new("/nonexistent"));
     options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));
