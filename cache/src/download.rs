@@ -63,8 +63,14 @@ async fn stream(cache: &Cache, parts: Vec<Object>, range: std::ops::Range<u64>, 
         .then(move |(path, local)| {
             let storage = storage.clone();
             async move {
-                let options = object_store::GetOptions { range: Some(object_store::GetRange::Bounded(local)), ..object_store::GetOptions::default() };
-                storage.get_opts(&path, options).await.map(object_store::GetResult::into_stream)
+                let options = object_store::GetOptions { range: Some(object_store::GetRange::Bounded(local.clone())), ..object_store::GetOptions::default() };
+                let result = storage.get_opts(&path, options).await?;
+                Ok::<_, object_store::Error>(match result.payload {
+                    // A file of the directory backend: read in large pieces (object_store's
+                    // own stream reads 8 KiB at a time, a seventh of the disk's speed).
+                    object_store::GetResultPayload::File(file, _) => file_range(file, local),
+                    object_store::GetResultPayload::Stream(stream) => stream,
+                })
             }
         })
         .try_flatten()
@@ -77,6 +83,42 @@ async fn stream(cache: &Cache, parts: Vec<Object>, range: std::ops::Range<u64>, 
     *response.status_mut() = if partial { http::StatusCode::PARTIAL_CONTENT } else { http::StatusCode::OK };
     Ok(response)
 }
+
+/// The bytes `range` of `file`, as a stream of pieces of [`READ_PIECE`].
+fn file_range(file: std::fs::File, range: std::ops::Range<u64>) -> futures_util::stream::BoxStream<'static, Result<Bytes, object_store::Error>> {
+    use std::io::{Read as _, Seek as _};
+    let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Bytes, object_store::Error>>(4);
+    tokio::task::spawn_blocking(move || {
+        let mut file = file;
+        let read = |file: &mut std::fs::File, remaining: u64| -> std::io::Result<Bytes> {
+            let mut piece = vec![0u8; usize::try_from(remaining.min(READ_PIECE)).unwrap_or(0)];
+            file.read_exact(&mut piece)?;
+            Ok(Bytes::from(piece))
+        };
+        let mut remaining = range.end - range.start;
+        if let Err(error) = file.seek(std::io::SeekFrom::Start(range.start)) {
+            let _ = sender.blocking_send(Err(object_store::Error::Generic { store: "cache", source: Box::new(error) }));
+            return;
+        }
+        while remaining > 0 {
+            let piece = read(&mut file, remaining).map_err(|error| object_store::Error::Generic { store: "cache", source: Box::new(error) });
+            remaining -= piece.as_ref().map_or(remaining, |piece| piece.len() as u64);
+            if sender.blocking_send(piece).is_err() {
+                return;
+            }
+        }
+    });
+    receiver_stream(receiver)
+}
+
+fn receiver_stream(
+    mut receiver: tokio::sync::mpsc::Receiver<Result<Bytes, object_store::Error>>,
+) -> futures_util::stream::BoxStream<'static, Result<Bytes, object_store::Error>> {
+    futures_util::stream::poll_fn(move |cx| receiver.poll_recv(cx)).boxed()
+}
+
+/// How much of an archive's file is read at once.
+const READ_PIECE: u64 = 1 << 20;
 
 /// `bytes=a-b`, `bytes=a-` or `bytes=-n` of an archive of `total` bytes → the range;
 /// `None` when it asks for nothing the archive has (several ranges are not served).
