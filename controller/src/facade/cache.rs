@@ -23,16 +23,31 @@ use crate::store::State;
 
 use contract::cache::{HEADER_ASSIGNMENT, HEADER_CAPABILITY, HEADER_URL, PREFIX};
 
-/// The cache route of the facade's server.
+/// The cache route of the facade's server; without a cache it says so to each job.
 #[derive(Debug, Clone)]
 pub struct CacheRoute {
     facade: Arc<Facade>,
-    cache: Arc<Cache>,
+    cache: Option<Arc<Cache>>,
 }
 
 impl CacheRoute {
-    pub fn new(facade: Arc<Facade>, cache: Arc<Cache>) -> Self {
+    pub fn new(facade: Arc<Facade>, cache: Option<Arc<Cache>>) -> Self {
         CacheRoute { facade, cache }
+    }
+}
+
+/// What a job is told where this controller keeps no cache: a restore misses quietly
+/// (204, `{"ok": false}`), a save is refused with the reason.
+fn no_cache(path: &str) -> ::cache::Response {
+    const WHY: &str = "this runner keeps no cache: its controller's [cache] is off (cache.enabled = false, or JetStream without cache.s3 or cache.dir)";
+    if path.ends_with("/_apis/artifactcache/cache") {
+        ::cache::http::empty(204)
+    } else if path.ends_with("/GetCacheEntryDownloadURL") {
+        ::cache::http::json(200, &serde_json::json!({ "ok": false }))
+    } else if path.contains("/twirp/") {
+        ::cache::http::json(400, &serde_json::json!({ "code": "failed_precondition", "msg": WHY }))
+    } else {
+        ::cache::http::message(400, WHY)
     }
 }
 
@@ -64,6 +79,7 @@ impl CacheRoute {
             Ok(admitted) => admitted,
             Err((status, message)) => return ::cache::http::message(status, message),
         };
+        let Some(cache) = &self.cache else { return no_cache(parts.uri.path()) };
         let path = parts.uri.path().strip_prefix(PREFIX).unwrap_or("/").to_owned();
         let path_and_query = match parts.uri.query() {
             Some(query) => format!("{path}?{query}"),
@@ -73,7 +89,7 @@ impl CacheRoute {
             Ok(uri) => uri,
             Err(_) => return ::cache::http::message(400, "the request's path is not a URI"),
         };
-        self.cache.handle(&scope, &base, http::Request::from_parts(parts, body)).await
+        cache.handle(&scope, &base, http::Request::from_parts(parts, body)).await
     }
 
     /// The job's scope, and the cache's URL as it reaches it; or why it may not ask.

@@ -133,9 +133,9 @@ impl Facade {
         self
     }
 
-    /// The cache route of the facade's server, when a cache is configured.
-    pub fn cache_route(self: &Arc<Self>) -> Option<cache::CacheRoute> {
-        self.cache.clone().map(|cache| cache::CacheRoute::new(Arc::clone(self), cache))
+    /// The cache route of the facade's server (it says so where no cache is configured).
+    pub fn cache_route(self: &Arc<Self>) -> cache::CacheRoute {
+        cache::CacheRoute::new(Arc::clone(self), self.cache.clone())
     }
 
     /// A call with the session capability of `credential`'s assignment (the cache's).

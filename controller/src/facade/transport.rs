@@ -117,7 +117,7 @@ where
         .initial_connection_window_size(Some(CONNECTION_WINDOW))
         .layer(tower::util::MapResponseLayer::new(oversize_is_resource_exhausted))
         .add_service(facade.service())
-        .add_optional_service(cache)
+        .add_service(cache)
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
         .await
         .map_err(FacadeError::Serve)

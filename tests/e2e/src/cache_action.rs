@@ -6,12 +6,7 @@ use testkit::gitea::{Gitea, GiteaOptions};
 /// Gitea on `bind` (where environments reach it) where `uses: OWNER/NAME` resolves to
 /// itself, with the cache action mirrored as actions/cache@v4.
 pub async fn gitea_with_it(bind: std::net::IpAddr) -> Gitea {
-    let gitea = Gitea::start(GiteaOptions {
-        bind,
-        actions_settings: vec![("DEFAULT_ACTIONS_URL".into(), "self".into())],
-        ..GiteaOptions::default()
-    })
-    .await;
+    let gitea = Gitea::start(GiteaOptions { bind, actions_settings: vec![("DEFAULT_ACTIONS_URL".into(), "self".into())], ..GiteaOptions::default() }).await;
     let action = gitea.create_org_repo("actions", "cache").await;
     let dist = testkit::peers_cache().join("node/cache-action/dist");
     let source = crate::paths::repository().join("tests/e2e/actions/cache");
@@ -24,4 +19,3 @@ pub async fn gitea_with_it(bind: std::net::IpAddr) -> Gitea {
     gitea.create_tag(&action, "v4").await;
     gitea
 }
-

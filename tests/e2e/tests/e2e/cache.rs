@@ -84,7 +84,12 @@ async fn run_log(gitea: &Gitea, repo: &Repo, task: &TaskInfo) -> (std::collectio
 /// Runs the next job of `repo` of `workflow` for `event` (started by `start`) to its end;
 /// what it printed. (A push runs every workflow of the branch; Gitea 1.27 runs a new pull
 /// request's workflows twice: the last one counts.)
-async fn next_job(gitea: &Gitea, repo: &Repo, event: &str, start: impl std::future::Future<Output = ()>) -> (std::collections::BTreeMap<String, String>, String) {
+async fn next_job(
+    gitea: &Gitea,
+    repo: &Repo,
+    event: &str,
+    start: impl std::future::Future<Output = ()>,
+) -> (std::collections::BTreeMap<String, String>, String) {
     next_job_of(gitea, repo, "cache.yml", event, start).await
 }
 
@@ -291,7 +296,8 @@ async fn a_job_cannot_forge_a_credential_read_another_repository_or_overwrite_an
     })
     .await;
     all.extend(verdicts(&log_overwrite));
-    let table: Vec<String> = all.iter().map(|(name, answer, refused)| format!("{name:<50} {answer:<14} {}", if *refused { "refused" } else { "ALLOWED" })).collect();
+    let table: Vec<String> =
+        all.iter().map(|(name, answer, refused)| format!("{name:<50} {answer:<14} {}", if *refused { "refused" } else { "ALLOWED" })).collect();
     println!("{:<50} {:<14} verdict\n{}", "attack from inside a job", "answer", table.join("\n"));
     assert_eq!(all.len(), 7, "every attack reported:\n{log}\n{log_overwrite}");
     assert!(all.iter().all(|(_, _, refused)| *refused), "an attack was not refused:\n{}\n{log}\n{log_overwrite}", table.join("\n"));

@@ -314,3 +314,59 @@ jobs:
     }
     testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
 }
+
+/// run-local keeps `actions/cache` entries between its runs (`--cache-dir`), as act's
+/// cache server path does; with `--no-cache` a restore misses and a save says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_cache_keeps_its_entries_between_runs() {
+    let _turn = e2e::exclusive().await;
+    let image = host().image("gitea-runner");
+    let dir = tempfile::tempdir().unwrap();
+    let workflow = dir.path().join("cache.yml");
+    std::fs::write(
+        &workflow,
+        r#"on: push
+jobs:
+  deps:
+    runs-on: [disposable, container, docker]
+    steps:
+      - id: deps
+        uses: actions/cache@v4
+        with: {path: deps, key: deps-v1}
+      - run: |
+          echo "hit=[${{ steps.deps.outputs.cache-hit }}]"
+          [ -f deps/built ] && echo "content=$(cat deps/built)" || { mkdir -p deps && date +%s%N > deps/built; }
+"#,
+    )
+    .unwrap();
+    // actions/cache@v4 (tests/e2e/actions) served offline.
+    let action = tempfile::tempdir().unwrap();
+    std::fs::copy(paths::repository().join("tests/e2e/actions/cache/action.yml"), action.path().join("action.yml")).unwrap();
+    for step in ["restore", "save"] {
+        let to = action.path().join("dist").join(step);
+        std::fs::create_dir_all(&to).unwrap();
+        std::fs::copy(testkit::peers_cache().join("node/cache-action/dist").join(step).join("index.js"), to.join("index.js")).unwrap();
+    }
+    let mapping = format!("actions/cache@v4={}", action.path().display());
+    let cache = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut command = run_local(&workflow, &image);
+        command.args(["--action", &mapping]).args(extra);
+        command
+    };
+    let cache_dir = cache.path().display().to_string();
+    let mut said = Vec::new();
+    for round in ["first", "second"] {
+        let output = tokio::time::timeout(Duration::from_secs(240), run(&["--cache-dir", &cache_dir]).output()).await.unwrap().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert_eq!(output.status.code(), Some(0), "{round}: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+        said.push(stdout);
+    }
+    assert!(said[0].contains("hit=[]") && said[0].contains("Cache saved with key: deps-v1"), "{}", said[0]);
+    assert!(said[1].contains("hit=[true]") && said[1].contains("content="), "the second run did not restore:\n{}", said[1]);
+    let output = tokio::time::timeout(Duration::from_secs(240), run(&["--no-cache"]).output()).await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("hit=[]") && stdout.contains("this runner keeps no cache"), "--no-cache: {stdout}");
+    testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
+}
