@@ -33,6 +33,9 @@ use testkit::{
 const RELEASE: &str = "gdr";
 /// The chart's name for every object of a release called [`RELEASE`].
 const FULLNAME: &str = "gdr-gitea-dynamic-runner";
+/// The release's state volume, smaller than the chart's default (which is sized for a cache) the
+/// way an operator on a small node would set it; the test's PersistentVolume offers exactly this.
+const STATE_SIZE: &str = "2Gi";
 
 fn helm(kubeconfig: &Path, args: &[&str]) -> Output {
     Command::new("helm").env("KUBECONFIG", kubeconfig).args(args).stdin(Stdio::null()).output().expect("helm cannot run: run scripts/install-test-peers")
@@ -150,7 +153,7 @@ async fn the_chart_runs_the_controller_in_the_cluster_end_to_end() {
     let state = tempfile::tempdir().unwrap();
     let volume = format!("{namespace}-state");
     let pv = format!(
-        "apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {volume}}}\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadWriteOnce]\n  persistentVolumeReclaimPolicy: Delete\n  hostPath: {{path: {path}, type: Directory}}\n  claimRef: {{namespace: {namespace}, name: {FULLNAME}-state}}\n",
+        "apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {volume}}}\nspec:\n  capacity: {{storage: {STATE_SIZE}}}\n  accessModes: [ReadWriteOnce]\n  persistentVolumeReclaimPolicy: Delete\n  hostPath: {{path: {path}, type: Directory}}\n  claimRef: {{namespace: {namespace}, name: {FULLNAME}-state}}\n",
         path = state.path().display()
     );
     let applied = tokio::task::block_in_place(|| cluster.apply(&pv, &[]));
@@ -171,6 +174,8 @@ spire:
   serverSocketName: "{server_socket}"
   parentId: "{parent}"
 pools: [{{placement: container.kubernetes, capacity: {capacity}}}]
+store: {{embedded: {{size: {STATE_SIZE}}}}}
+cache: {{maxSize: 1G, maxRepositorySize: 256M}}
 jobs:
   namespace: "{jobs_namespace}"
   image: "{runner_image}"
