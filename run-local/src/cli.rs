@@ -62,13 +62,19 @@ pub struct RunLocalArgs {
     /// the working tree with its uncommitted changes.
     #[arg(long, value_name = "REV")]
     pub commit: Option<String>,
-    /// Serve DIR as the action OWNER/NAME at REF (repeatable): `uses: OWNER/NAME@REF`
-    /// runs it with no network. Other actions come from --actions-url.
+    /// Serve DIR as the action OWNER/NAME at REF (repeatable, also for several refs of
+    /// one action): `uses: OWNER/NAME@REF` runs it with no network. Other actions come
+    /// from --actions-url.
     #[arg(long = "action", value_name = "OWNER/NAME@REF=DIR")]
     pub actions: Vec<String>,
     /// Where `uses: OWNER/NAME@REF` actions come from (as Gitea's DEFAULT_ACTIONS_URL).
     #[arg(long, value_name = "URL", default_value = "https://github.com")]
     pub actions_url: String,
+    /// A runs-on label that means "this host", as act's `-P LABEL=-self-hosted`
+    /// (repeatable; given, it replaces the defaults): a job whose runs-on has only such
+    /// labels runs in a local environment.
+    #[arg(long = "platform", value_name = "LABEL", default_values_t = ["ubuntu-latest", "ubuntu-24.04", "ubuntu-22.04", "ubuntu-20.04"].map(String::from))]
+    pub platforms: Vec<String>,
     /// The runner image (scripts/build-image tags it gitea-dynamic-runner/runner:latest).
     #[arg(long, env = "GDR_RUNNER_IMAGE", default_value = "gitea-dynamic-runner/runner:latest")]
     pub image: String,
@@ -79,9 +85,10 @@ pub struct RunLocalArgs {
     /// (some hosts refuse --privileged).
     #[arg(long)]
     pub privileged: bool,
-    /// The repository the jobs believe they run for (owner/name).
-    #[arg(long, default_value = "local/workflow")]
-    pub repository: String,
+    /// The repository the jobs run for (owner/name; github.repository); default: the
+    /// `origin` remote's, as act takes it, else local/workflow.
+    #[arg(long, value_name = "OWNER/NAME")]
+    pub repository: Option<String>,
     /// Where `actions/cache` keeps its entries between runs (as act's
     /// --cache-server-path); default: ~/.cache/gitea-dynamic-runner/run-local-cache.
     #[arg(long, value_name = "DIR")]

@@ -6,6 +6,7 @@
 //! - [`cli`]: the command line, the way `act` takes it.
 //! - [`workflow`]: the file as the jobs Gitea would create (one per matrix
 //!   combination, after the jobs they need).
+//! - [`expression`]: `${{ }}` in a matrix, evaluated once the jobs it needs ended.
 //! - [`task`]: each job's Task as Gitea builds it (needs with results and outputs, the
 //!   event, inputs, secrets only from files).
 //! - [`repository`]: the local repository and mapped actions, served over git's smart
@@ -19,6 +20,7 @@
 
 pub mod cli;
 pub mod exit;
+pub mod expression;
 pub mod reports;
 pub mod repository;
 pub mod run;

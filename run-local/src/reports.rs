@@ -38,6 +38,8 @@ pub struct LocalReports {
 struct JobReport {
     /// Put before each log line (empty when one job runs).
     prefix: String,
+    /// The jobs it needs, whose stand-ins the runner complains about.
+    needs: Vec<String>,
     rows: i64,
     sealed: bool,
     outputs: BTreeMap<String, String>,
@@ -55,10 +57,11 @@ impl LocalReports {
         LocalReports { out: Mutex::new(out), jobs: Mutex::new(HashMap::new()), cancelled: AtomicBool::new(false) }
     }
 
-    /// Takes reports on `task_id`; the receiver resolves once it ended.
-    pub fn register(&self, task_id: i64, prefix: String) -> watch::Receiver<Option<Ended>> {
+    /// Takes reports on `task_id`, a job that needs `needs`; the receiver resolves once it
+    /// ended.
+    pub fn register(&self, task_id: i64, prefix: String, needs: &[String]) -> watch::Receiver<Option<Ended>> {
         let (ended, receiver) = watch::channel(None);
-        self.jobs().insert(task_id, JobReport { prefix, rows: 0, sealed: false, outputs: BTreeMap::new(), ended });
+        self.jobs().insert(task_id, JobReport { prefix, needs: needs.to_vec(), rows: 0, sealed: false, outputs: BTreeMap::new(), ended });
         receiver
     }
 
@@ -91,6 +94,15 @@ impl LocalReports {
     }
 }
 
+/// gitea-runner stands each needed job in with only its result and outputs, then logs for
+/// each that it has no `runs-on` (act/runner/run_context.go, runsOnImage): an error line in
+/// every dependent job's log that is about nothing the job did, so the terminal leaves it
+/// out (the line stays in what Gitea would store; only its printing is skipped).
+fn stand_in_noise(line: &str, needs: &[String]) -> bool {
+    let Some((_, job)) = line.split_once("'runs-on' key not defined in ") else { return false };
+    needs.iter().any(|need| job.trim_end().rsplit_once('/').is_some_and(|(_, name)| name == need))
+}
+
 #[async_trait::async_trait]
 impl TaskReports for LocalReports {
     fn runner_uuid(&self) -> &str {
@@ -110,6 +122,7 @@ impl TaskReports for LocalReports {
             let skip = usize::try_from(ack - request.index).unwrap_or(0);
             let rows: Vec<String> = request.rows[skip..].iter().map(|r| r.content.clone()).collect();
             job.rows += i64::try_from(rows.len()).unwrap_or(i64::MAX);
+            let rows: Vec<String> = rows.into_iter().filter(|row| !stand_in_noise(row, &job.needs)).collect();
             job.sealed = request.no_more;
             (job.prefix.clone(), rows, job.rows)
         };
@@ -178,14 +191,20 @@ mod tests {
     async fn logs_follow_gitea_rules_per_job_and_cancellation_is_answered() {
         let out = Captured::default();
         let reports = LocalReports::new(Box::new(out.clone()));
-        let first = reports.register(1, "[build] ".into());
-        let second = reports.register(2, "[test] ".into());
+        let first = reports.register(1, "[build] ".into(), &[]);
+        let second = reports.register(2, "[test] ".into(), &["build".to_owned()]);
         let log = |task_id, index, lines: &[&str], no_more| UpdateLogRequest { task_id, index, rows: rows(lines), no_more };
         assert_eq!(reports.update_log(&log(1, 0, &["a", "b"], false)).await.unwrap().ack_index, 2);
         assert_eq!(reports.update_log(&log(1, 1, &["b", "c"], false)).await.unwrap().ack_index, 3, "duplicates are skipped");
         assert_eq!(reports.update_log(&log(1, 5, &["gap"], false)).await.unwrap().ack_index, 3, "a gap is not written");
         assert_eq!(reports.update_log(&log(2, 0, &["x"], false)).await.unwrap().ack_index, 1, "each job has its own index");
-        assert_eq!(String::from_utf8(out.0.lock().unwrap().clone()).unwrap(), "[build] a\n[build] b\n[build] c\n[test] x\n");
+        let noise = ["'runs-on' key not defined in pipeline/build", "'runs-on' key not defined in pipeline/test", "y"];
+        assert_eq!(reports.update_log(&log(2, 1, &noise, false)).await.unwrap().ack_index, 4, "a hidden line is still acknowledged");
+        assert_eq!(
+            String::from_utf8(out.0.lock().unwrap().clone()).unwrap(),
+            "[build] a\n[build] b\n[build] c\n[test] x\n[test] 'runs-on' key not defined in pipeline/test\n[test] y\n",
+            "only the line about a needed job's stand-in is left out"
+        );
 
         let reply = reports.update_task(&update(1, TaskResult::Unspecified, &[("k", "v")])).await.unwrap();
         assert_eq!(reply.state.unwrap().result, TaskResult::Unspecified as i32);

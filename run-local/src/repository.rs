@@ -93,6 +93,40 @@ pub async fn work_tree_of(path: &Path) -> Option<PathBuf> {
     git(&dir, &["rev-parse", "--show-toplevel"], &[]).await.ok().map(PathBuf::from)
 }
 
+/// OWNER/NAME of the repository the `origin` remote of the work tree at `root` points
+/// to, as act names a run (`github.repository`): None without an origin or for one that
+/// is a local path.
+pub async fn origin_name(root: &Path) -> Option<String> {
+    let url = git(root, &["remote", "get-url", "origin"], &[]).await.ok()?;
+    name_of_remote(&url)
+}
+
+/// `https://host/owner/name.git`, `ssh://git@host:22/owner/name`, `git@host:owner/name.git`
+/// → `owner/name`; a local path → None.
+fn name_of_remote(url: &str) -> Option<String> {
+    let path = if let Some((_, rest)) = url.split_once("://") {
+        rest.split_once('/')?.1
+    } else {
+        let (host, path) = url.split_once(':')?;
+        if host.contains('/') {
+            return None;
+        }
+        path
+    };
+    let path = path.trim_end_matches('/');
+    let path = path.strip_suffix(".git").unwrap_or(path);
+    let mut segments = path.rsplit('/');
+    let (name, owner) = (segments.next()?, segments.next()?);
+    owner_and_name(&format!("{owner}/{name}"))
+}
+
+/// `owner/name` when it is one (two non-empty segments).
+pub fn owner_and_name(text: &str) -> Option<String> {
+    let (owner, name) = text.split_once('/')?;
+    let valid = |part: &str| !part.is_empty() && !part.contains(['/', ' ', ':']);
+    (valid(owner) && valid(name)).then(|| text.to_owned())
+}
+
 impl Snapshot {
     /// The work tree at `root` as it is now (`commit` None), or the commit `commit`
     /// names, on the branch checked out there (`main` when detached).
@@ -142,26 +176,34 @@ impl Snapshot {
         Ok(Snapshot { dir, served: Served { sha, branch, message } })
     }
 
-    /// The files of `dir` as one commit (no history), on the branch and the tag `git_ref`:
-    /// an action `uses: OWNER/NAME@REF` finds it by either.
+    /// For each (ref, directory): the files of the directory as one commit (no history), on
+    /// the branch and the tag named by the ref — one action at several refs (`uses:
+    /// OWNER/NAME@v3` in one workflow, `@v4` in another) finds each by either. The first
+    /// ref is the default branch.
     ///
     /// # Errors
     /// When git fails (an unreadable directory, a ref git refuses).
-    pub async fn of_directory(dir: &Path, git_ref: &str) -> Result<Snapshot, RepositoryError> {
+    pub async fn of_directories(refs: &[(String, PathBuf)]) -> Result<Snapshot, RepositoryError> {
         let scratch = tempfile::Builder::new().prefix("gdr-run-local-action-").tempdir_in("/tmp").map_err(RepositoryError::Scratch)?;
         let bare = scratch.path();
         git(bare, &["init", "--quiet", "--bare", "."], &[]).await?;
-        let (git_dir, work_tree, index) = (bare.display().to_string(), dir.display().to_string(), bare.join("snapshot.index").display().to_string());
-        let env = with_identity(&[("GIT_DIR", git_dir.as_str()), ("GIT_WORK_TREE", work_tree.as_str()), ("GIT_INDEX_FILE", index.as_str())]);
-        git(dir, &["add", "--all", "."], &env).await?;
-        let tree = git(dir, &["write-tree"], &env).await?;
-        let message = format!("run-local: {}", dir.display());
-        let sha = git(dir, &["commit-tree", &tree, "-m", &message], &env).await?;
-        for reference in [format!("refs/heads/{git_ref}"), format!("refs/tags/{git_ref}")] {
-            git(bare, &["update-ref", &reference, &sha], &[]).await?;
+        let git_dir = bare.display().to_string();
+        let mut served = None;
+        for (n, (git_ref, dir)) in refs.iter().enumerate() {
+            let (work_tree, index) = (dir.display().to_string(), bare.join(format!("snapshot-{n}.index")).display().to_string());
+            let env = with_identity(&[("GIT_DIR", git_dir.as_str()), ("GIT_WORK_TREE", work_tree.as_str()), ("GIT_INDEX_FILE", index.as_str())]);
+            git(dir, &["add", "--all", "."], &env).await?;
+            let tree = git(dir, &["write-tree"], &env).await?;
+            let message = format!("run-local: {}", dir.display());
+            let sha = git(dir, &["commit-tree", &tree, "-m", &message], &env).await?;
+            for reference in [format!("refs/heads/{git_ref}"), format!("refs/tags/{git_ref}")] {
+                git(bare, &["update-ref", &reference, &sha], &[]).await?;
+            }
+            served.get_or_insert(Served { sha, branch: git_ref.clone(), message });
         }
-        git(bare, &["symbolic-ref", "HEAD", &format!("refs/heads/{git_ref}")], &[]).await?;
-        Ok(Snapshot { dir: scratch, served: Served { sha, branch: git_ref.to_owned(), message } })
+        let served = served.ok_or_else(|| RepositoryError::Scratch(std::io::Error::other("an action with no ref to serve")))?;
+        git(bare, &["symbolic-ref", "HEAD", &format!("refs/heads/{}", served.branch)], &[]).await?;
+        Ok(Snapshot { dir: scratch, served })
     }
 
     pub fn git_dir(&self) -> &Path {
@@ -376,19 +418,43 @@ mod tests {
         server.await.unwrap();
     }
 
-    /// An action's directory served at its name, by branch and tag; an action that is
-    /// not mapped is sent to the actions URL.
+    #[test]
+    fn a_remote_names_its_repository() {
+        let table = [
+            ("https://github.com/nektos/act.git", Some("nektos/act")),
+            ("https://gitea.example/org/app", Some("org/app")),
+            ("https://gitea.example/sub/path/org/app/", Some("org/app")),
+            ("ssh://git@gitea.example:2222/org/app.git", Some("org/app")),
+            ("git@github.com:acme/tool.git", Some("acme/tool")),
+            ("/srv/git/app.git", None),
+            ("../app", None),
+            ("https://host/only", None),
+        ];
+        for (url, want) in table {
+            assert_eq!(name_of_remote(url).as_deref(), want, "{url}");
+        }
+        assert_eq!(owner_and_name("a/b").as_deref(), Some("a/b"));
+        assert_eq!(owner_and_name("a/b/c"), None);
+        assert_eq!(owner_and_name("ab"), None);
+    }
+
+    /// An action's directories served at its name, each by its branch and tag; an action
+    /// that is not mapped is sent to the actions URL.
     #[tokio::test]
     async fn a_mapped_action_is_cloned_by_its_ref_and_others_are_redirected() {
-        let action = tempfile::tempdir().unwrap();
+        let (action, older) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         sh(action.path(), "echo 'runs: {using: composite, steps: []}' > action.yml").await;
-        let snapshot = Snapshot::of_directory(action.path(), "v1").await.unwrap();
+        sh(older.path(), "echo 'runs: {using: node16, main: x.js}' > action.yml").await;
+        let refs = [("v1".to_owned(), action.path().to_path_buf()), ("v0".to_owned(), older.path().to_path_buf())];
+        let snapshot = Snapshot::of_directories(&refs).await.unwrap();
         let shutdown = CancellationToken::new();
         let repositories = BTreeMap::from([("acme/greet".to_owned(), snapshot.git_dir().to_path_buf())]);
         let (address, server) = serve("127.0.0.1:0".parse().unwrap(), repositories, Some("http://actions.invalid/".into()), shutdown.clone()).await.unwrap();
         let clones = tempfile::tempdir().unwrap();
         let cloned = sh(clones.path(), &format!("git clone -q --branch v1 http://{address}/acme/greet a && cat a/action.yml && git -C a tag")).await;
-        assert_eq!(cloned, "runs: {using: composite, steps: []}\nv1");
+        assert_eq!(cloned, "runs: {using: composite, steps: []}\nv0\nv1");
+        let cloned = sh(clones.path(), &format!("git clone -q --branch v0 http://{address}/acme/greet b && cat b/action.yml")).await;
+        assert_eq!(cloned, "runs: {using: node16, main: x.js}");
 
         let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
         stream.write_all(b"GET /other/thing/info/refs?service=git-upload-pack HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();

@@ -39,23 +39,27 @@ use crate::{
     workflow::{self, PlannedJob, Workflow},
 };
 
+/// `github.repository` of a run outside a clone with an `origin` remote.
+const DEFAULT_REPOSITORY: &str = "local/workflow";
+
 /// The installation name of local runs.
 const LOCAL_INSTANCE: &str = "local";
 
 /// The assignments of `tasks` and the rules they were made with, under whichever
-/// label policy takes them all: run-local accepts what a Gitea with either setting would.
+/// label policy takes them all: run-local accepts what a Gitea with either setting would,
+/// and runs-on made only of `platforms` (e.g. ubuntu-latest) runs in a docker container.
 ///
 /// # Errors
 /// The default policy's error for the first job neither takes (its `runs-on` names no
 /// placement).
-pub fn assignments_for(tasks: &[Task]) -> Result<(Vec<Assignment>, Rules), controller::assignment::envelope::AssignmentError> {
+pub fn assignments_for(tasks: &[Task], platforms: &[String]) -> Result<(Vec<Assignment>, Rules), controller::assignment::envelope::AssignmentError> {
     let trust_domain = "run-local.invalid".to_owned();
-    let default_rules = Rules { trust_domain: trust_domain.clone(), labels: LabelPolicy::default() };
+    let default_rules = Rules { trust_domain: trust_domain.clone(), labels: LabelPolicy { host_platforms: platforms.to_vec(), ..LabelPolicy::default() } };
     let under = |rules: &Rules| tasks.iter().map(|task| Assignment::from_task(task.clone(), rules)).collect::<Result<Vec<_>, _>>();
     match under(&default_rules) {
         Ok(assignments) => Ok((assignments, default_rules)),
         Err(first) => {
-            let seed = Rules { trust_domain, labels: LabelPolicy::seed_compatible() };
+            let seed = Rules { trust_domain, labels: LabelPolicy { host_platforms: platforms.to_vec(), ..LabelPolicy::seed_compatible() } };
             under(&seed).map(|assignments| (assignments, seed)).map_err(|_| first)
         }
     }
@@ -78,10 +82,77 @@ enum JobState {
 }
 
 impl Job {
+    fn new(planned: PlannedJob, assignment: Assignment) -> Job {
+        Job { planned, task_id: assignment.task.id, placement: assignment.placement, runs_on: assignment.runs_on, state: JobState::Waiting, assignment: None }
+    }
+
     fn ended(&self) -> Option<&reports::Ended> {
         match &self.state {
             JobState::Done(ended) => Some(ended),
             _ => None,
+        }
+    }
+}
+
+/// The task a planned job would be, to find its placement before anything starts.
+fn probe(planned: &PlannedJob, id: i64, repository: &str) -> Task {
+    let run = task::RunContext { repository: repository.to_owned(), ..task::RunContext::default() };
+    let context = task::context(&run, &planned.key);
+    task::task(id, planned.payload.clone(), context, BTreeMap::new(), BTreeMap::new(), BTreeMap::new(), "probe")
+}
+
+/// Expands the jobs whose matrix is an expression once the jobs they need ended.
+struct Planner<'a> {
+    workflow: &'a Workflow,
+    filters: &'a [(String, String)],
+    rules: Rules,
+    repository: String,
+    next_id: i64,
+}
+
+impl Planner<'_> {
+    /// `jobs[index]`'s combinations as jobs of their own, evaluated with its needs.
+    fn expand(&mut self, jobs: &[Job], index: usize, needs: &BTreeMap<String, TaskNeed>, inputs: &Inputs) -> anyhow::Result<Vec<Job>> {
+        let key = &jobs[index].planned.key;
+        let contexts = task::expression_contexts(&inputs.run, key, needs, &inputs.vars);
+        let planned = self.workflow.expand(key, &contexts, self.filters)?;
+        planned
+            .into_iter()
+            .map(|planned| {
+                let id = self.next_id;
+                self.next_id += 1;
+                let assignment = Assignment::from_task(probe(&planned, id, &self.repository), &self.rules).map_err(|error| anyhow::anyhow!("{error}"))?;
+                Ok(Job::new(planned, assignment))
+            })
+            .collect()
+    }
+
+    /// Replaces each deferred job whose needs ended (and that runs: they succeeded or it
+    /// has an `if:`) by its combinations; one that cannot be expanded fails.
+    fn expand_ready(&mut self, jobs: &mut Vec<Job>, inputs: &Inputs) {
+        loop {
+            let ready = (0..jobs.len()).find_map(|index| {
+                let job = &jobs[index];
+                if !job.planned.deferred || !matches!(job.state, JobState::Waiting) {
+                    return None;
+                }
+                let needs = needs_of(jobs, index)?;
+                let runs = job.planned.has_if || needs.values().all(|need| need.result == TaskResult::Success as i32);
+                runs.then_some((index, needs))
+            });
+            let Some((index, needs)) = ready else { return };
+            let name = jobs[index].planned.name.clone();
+            match self.expand(jobs, index, &needs, inputs) {
+                Ok(expanded) => {
+                    let names: Vec<&str> = expanded.iter().map(|j| j.planned.name.as_str()).collect();
+                    eprintln!("run-local: job {name:?}'s matrix gives {}: {}", expanded.len(), names.join(", "));
+                    jobs.splice(index..=index, expanded);
+                }
+                Err(error) => {
+                    eprintln!("run-local: job {name:?} cannot run: {error:#}");
+                    jobs[index].state = JobState::Done(reports::Ended { result: TaskResult::Failure as i32, ..Default::default() });
+                }
+            }
         }
     }
 }
@@ -126,44 +197,31 @@ pub async fn run(args: RunLocalArgs, interrupts: tokio::sync::mpsc::UnboundedRec
         .map(|f| f.split_once(':').map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())).ok_or_else(|| anyhow::anyhow!("--matrix {f:?} is not KEY:VALUE")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let plan = workflow.plan(args.job.as_deref(), &filters)?;
+    let root = repository::work_tree_of(&args.workflow).await;
+    let repository = match (&args.repository, &root) {
+        (Some(name), _) => repository::owner_and_name(name).ok_or_else(|| anyhow::anyhow!("--repository {name:?} is not OWNER/NAME"))?,
+        (None, Some(root)) => repository::origin_name(root).await.unwrap_or_else(|| DEFAULT_REPOSITORY.to_owned()),
+        (None, None) => DEFAULT_REPOSITORY.to_owned(),
+    };
 
     // Every job must name a placement before anything starts.
-    let probe_run = task::RunContext { repository: args.repository.clone(), ..task::RunContext::default() };
     let first_id = now_ms().max(1);
-    let probes: Vec<Task> = plan
-        .iter()
-        .zip(0..)
-        .map(|(planned, n)| {
-            let context = task::context(&probe_run, &planned.key);
-            task::task(first_id + n, planned.payload.clone(), context, BTreeMap::new(), BTreeMap::new(), BTreeMap::new(), "probe")
-        })
-        .collect();
-    let (assignments, rules) = assignments_for(&probes).map_err(|error| anyhow::anyhow!("a job cannot run: {error}"))?;
-    let mut jobs: Vec<Job> = plan
-        .into_iter()
-        .zip(assignments)
-        .map(|(planned, assignment)| Job {
-            planned,
-            task_id: assignment.task.id,
-            placement: assignment.placement,
-            runs_on: assignment.runs_on,
-            state: JobState::Waiting,
-            assignment: None,
-        })
-        .collect();
+    let probes: Vec<Task> = plan.iter().zip(first_id..).map(|(planned, id)| probe(planned, id, &repository)).collect();
+    let (assignments, rules) = assignments_for(&probes, &args.platforms).map_err(|error| anyhow::anyhow!("a job cannot run: {error}"))?;
+    let mut jobs: Vec<Job> = plan.into_iter().zip(assignments).map(|(planned, assignment)| Job::new(planned, assignment)).collect();
     if args.list {
         print!("{}", list(&workflow, &jobs));
         return Ok(0);
     }
-    let mut inputs = read_inputs(&args, &workflow)?;
-    let snapshot = match repository::work_tree_of(&args.workflow).await {
+    let mut inputs = read_inputs(&args, &workflow, &repository)?;
+    let snapshot = match root {
         Some(root) => {
             let snapshot = repository::Snapshot::take(&root, args.commit.as_deref()).await?;
             let served = &snapshot.served;
             eprintln!(
                 "run-local: serving {} as {} ({} on {})",
                 root.display(),
-                args.repository,
+                repository,
                 if args.commit.is_some() { served.sha.clone() } else { format!("the working tree, {}", &served.sha[..12]) },
                 served.branch
             );
@@ -180,26 +238,29 @@ pub async fn run(args: RunLocalArgs, interrupts: tokio::sync::mpsc::UnboundedRec
         eprintln!("run-local: job {:?} asks for {}; running it in a local Docker container instead", job.planned.name, job.placement);
     }
 
-    let mut served: BTreeMap<String, PathBuf> = snapshot.iter().map(|s| (args.repository.clone(), s.git_dir().to_path_buf())).collect();
+    let mut served: BTreeMap<String, PathBuf> = snapshot.iter().map(|s| (repository.clone(), s.git_dir().to_path_buf())).collect();
     let mut actions = Vec::new();
-    for mapping in &args.actions {
-        let (name, git_ref, dir) = action_mapping(mapping)?;
-        let action = repository::Snapshot::of_directory(&dir, &git_ref).await.with_context(|| format!("--action {mapping}"))?;
+    for (name, refs) in action_mappings(&args.actions)? {
+        let action = repository::Snapshot::of_directories(&refs).await.with_context(|| format!("--action {name}"))?;
         if served.insert(name.clone(), action.git_dir().to_path_buf()).is_some() {
-            anyhow::bail!("--action {mapping}: {name} is served already (the repository, or another --action)");
+            anyhow::bail!("--action {name}: {name} is the repository the jobs run for (--repository)");
         }
-        eprintln!("run-local: serving {} as the action {name}@{git_ref}", dir.display());
+        for (git_ref, dir) in &refs {
+            eprintln!("run-local: serving {} as the action {name}@{git_ref}", dir.display());
+        }
         actions.push(action);
     }
     // Unmapped actions are sent on to the actions URL.
     let elsewhere = (!actions.is_empty()).then(|| args.actions_url.clone());
+    let planner =
+        Planner { workflow: &workflow, filters: &filters, rules: rules.clone(), repository: repository.clone(), next_id: first_id + jobs.len() as i64 };
     let pipeline = LocalPipeline::start(&args, &jobs, rules, served, elsewhere).await?;
     inputs.run.actions_url = match (&pipeline.served_url, actions.is_empty()) {
         (Some(url), false) => url.clone(),
         _ => args.actions_url.clone(),
     };
-    let prefixed = jobs.len() > 1;
-    let outcome = schedule(&pipeline, &mut jobs, &inputs, args.parallel.max(1), prefixed, interrupts).await;
+    let prefixed = jobs.len() > 1 || jobs.iter().any(|j| j.planned.deferred);
+    let outcome = schedule(&pipeline, &mut jobs, planner, &inputs, args.parallel.max(1), prefixed, interrupts).await;
     pipeline.stop(&jobs).await;
     let code = match outcome {
         Some(()) => {
@@ -211,7 +272,7 @@ pub async fn run(args: RunLocalArgs, interrupts: tokio::sync::mpsc::UnboundedRec
     Ok(code)
 }
 
-fn read_inputs(args: &RunLocalArgs, workflow: &Workflow) -> anyhow::Result<Inputs> {
+fn read_inputs(args: &RunLocalArgs, workflow: &Workflow, repository: &str) -> anyhow::Result<Inputs> {
     let mut secrets = match &args.secret_file {
         Some(file) => task::dotenv_file(file)?,
         None => BTreeMap::new(),
@@ -239,8 +300,23 @@ fn read_inputs(args: &RunLocalArgs, workflow: &Workflow) -> anyhow::Result<Input
     } else if !given.is_empty() {
         anyhow::bail!("--input is for the workflow_dispatch event; this run's event is {event_name:?} (choose it with --event workflow_dispatch)");
     }
-    let run = task::RunContext { repository: args.repository.clone(), event_name, event, run_id: now_ms().max(1), ..task::RunContext::default() };
+    let run = task::RunContext { repository: repository.to_owned(), event_name, event, run_id: now_ms().max(1), ..task::RunContext::default() };
     Ok(Inputs { run, secrets, vars })
+}
+
+/// `--action OWNER/NAME@REF=DIR` mappings grouped by action: OWNER/NAME → its (REF, DIR)s
+/// in the order given; one ref given twice is refused.
+fn action_mappings(mappings: &[String]) -> anyhow::Result<BTreeMap<String, Vec<(String, PathBuf)>>> {
+    let mut actions: BTreeMap<String, Vec<(String, PathBuf)>> = BTreeMap::new();
+    for mapping in mappings {
+        let (name, git_ref, dir) = action_mapping(mapping)?;
+        let refs = actions.entry(name.clone()).or_default();
+        if let Some((_, other)) = refs.iter().find(|(r, _)| *r == git_ref) {
+            anyhow::bail!("--action {mapping}: {name}@{git_ref} is served from {} already", other.display());
+        }
+        refs.push((git_ref, dir));
+    }
+    Ok(actions)
 }
 
 /// `OWNER/NAME@REF=DIR` → (OWNER/NAME, REF, DIR).
@@ -351,7 +427,7 @@ impl LocalPipeline {
 
     /// Hands `task` to the worker, as a fetched task is.
     async fn submit(&self, job: &Job, task: Task, prefix: String) -> anyhow::Result<(Assignment, watch::Receiver<Option<reports::Ended>>)> {
-        let ended = self.reports.register(job.task_id, prefix);
+        let ended = self.reports.register(job.task_id, prefix, &job.planned.needs);
         let assignment = self.pipeline.submit(task, reports::RUNNER).await?;
         eprintln!("run-local: job {:?} as {} in {}", job.planned.name, assignment.id, self.pipeline.environment_name(&assignment.id));
         Ok((assignment, ended))
@@ -391,16 +467,21 @@ impl LocalPipeline {
 /// told); a second gives up at once (`None`).
 async fn schedule(
     pipeline: &LocalPipeline,
-    jobs: &mut [Job],
+    jobs: &mut Vec<Job>,
+    mut planner: Planner<'_>,
     inputs: &Inputs,
     parallel: usize,
     prefixed: bool,
     mut interrupts: tokio::sync::mpsc::UnboundedReceiver<()>,
 ) -> Option<()> {
-    let (ended_tx, mut ended_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, reports::Ended)>();
+    // Jobs are told apart by task id: expanding a matrix moves the jobs after it.
+    let (ended_tx, mut ended_rx) = tokio::sync::mpsc::unbounded_channel::<(i64, reports::Ended)>();
     let mut watchers = tokio::task::JoinSet::new();
     let mut cancelled = false;
     loop {
+        if !cancelled {
+            planner.expand_ready(jobs, inputs);
+        }
         for index in 0..jobs.len() {
             if !matches!(jobs[index].state, JobState::Waiting) {
                 continue;
@@ -434,12 +515,12 @@ async fn schedule(
             let prefix = if prefixed { format!("[{}] ", job.planned.name) } else { String::new() };
             match pipeline.submit(job, task, prefix).await {
                 Ok((assignment, mut ended)) => {
-                    let sender = ended_tx.clone();
+                    let (sender, task_id) = (ended_tx.clone(), job.task_id);
                     watchers.spawn(async move {
                         if let Ok(done) = ended.wait_for(Option::is_some).await
                             && let Some(done) = done.clone()
                         {
-                            let _ = sender.send((index, done));
+                            let _ = sender.send((task_id, done));
                         }
                     });
                     jobs[index].state = JobState::Running;
@@ -457,7 +538,11 @@ async fn schedule(
             return Some(());
         }
         tokio::select! {
-            Some((index, ended)) = ended_rx.recv() => jobs[index].state = JobState::Done(ended),
+            Some((task_id, ended)) = ended_rx.recv() => {
+                if let Some(job) = jobs.iter_mut().find(|j| j.task_id == task_id) {
+                    job.state = JobState::Done(ended);
+                }
+            }
             Some(()) = interrupts.recv() => {
                 if cancelled {
                     eprintln!("run-local: removing the environments");
@@ -504,7 +589,9 @@ fn list(workflow: &Workflow, jobs: &[Job]) -> String {
         let planned: Vec<&Job> = jobs.iter().filter(|j| j.planned.key == spec.key).collect();
         let Some(first) = planned.first() else { continue };
         let needs = if spec.needs.is_empty() { "-".to_owned() } else { spec.needs.join(",") };
-        rows.push([spec.key.clone(), needs, planned.len().to_string(), first.placement.to_string(), first.runs_on.join(",")]);
+        // A matrix given by an expression is known once the jobs it needs ended.
+        let size = if first.planned.deferred { "needs".to_owned() } else { planned.len().to_string() };
+        rows.push([spec.key.clone(), needs, size, first.placement.to_string(), first.runs_on.join(",")]);
     }
     let widths: Vec<usize> = (0..5).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
     let mut out = String::new();
@@ -591,7 +678,7 @@ mod tests {
                         task::task(id, job.payload.clone(), context, Default::default(), Default::default(), Default::default(), "job-token")
                     })
                     .collect();
-                let (assignments, _) = assignments_for(&tasks).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let (assignments, _) = assignments_for(&tasks, &[]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
                 for (job, assignment) in plan.iter().zip(assignments) {
                     seen.push(format!("{}: {} → {}", path.strip_prefix(repository).unwrap().display(), job.name, assignment.placement));
                 }

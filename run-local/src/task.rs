@@ -135,6 +135,37 @@ fn from_json(value: &serde_json::Value) -> PbValue {
     PbValue { kind: Some(kind) }
 }
 
+/// The protobuf `Value` as JSON again (numbers as f64, as the context carries them).
+fn to_json(value: &PbValue) -> serde_json::Value {
+    match &value.kind {
+        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
+        Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
+        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(*n).map_or(serde_json::Value::Null, serde_json::Value::Number),
+        Some(Kind::StringValue(s)) => serde_json::Value::String(s.clone()),
+        Some(Kind::ListValue(list)) => serde_json::Value::Array(list.values.iter().map(to_json).collect()),
+        Some(Kind::StructValue(fields)) => serde_json::Value::Object(fields.fields.iter().map(|(k, v)| (k.clone(), to_json(v))).collect()),
+    }
+}
+
+/// The contexts a job's matrix expression is evaluated with once its needs ended, as
+/// Gitea's jobparser has them: `needs` (results and outputs), `inputs`, `vars`, `github`.
+pub fn expression_contexts(run: &RunContext, job: &str, needs: &BTreeMap<String, TaskNeed>, vars: &BTreeMap<String, String>) -> serde_json::Value {
+    let needs: serde_json::Map<String, serde_json::Value> = needs
+        .iter()
+        .map(|(key, need)| {
+            let result = TaskResult::try_from(need.result).map_or("", |r| r.as_str_name()).trim_start_matches("RESULT_").to_ascii_lowercase();
+            (key.clone(), serde_json::json!({ "result": result, "outputs": need.outputs }))
+        })
+        .collect();
+    let github = serde_json::Value::Object(context(run, job).fields.iter().map(|(k, v)| (k.clone(), to_json(v))).collect());
+    serde_json::json!({
+        "needs": needs,
+        "inputs": run.event.get("inputs").cloned().unwrap_or_else(|| serde_json::json!({})),
+        "vars": vars,
+        "github": github,
+    })
+}
+
 fn string(s: &str) -> PbValue {
     PbValue { kind: Some(Kind::StringValue(s.to_owned())) }
 }

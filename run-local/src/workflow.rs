@@ -1,7 +1,9 @@
 //! A workflow file turned into the jobs Gitea would create from it (Gitea's jobparser):
 //! one single-job workflow per job and matrix combination, named as Gitea names them,
-//! in an order where every job comes after the jobs it needs. Everything `run-local`
-//! cannot do is refused here, before any environment starts.
+//! in an order where every job comes after the jobs it needs. A matrix given by an
+//! expression is expanded once the jobs it needs have ended ([`Workflow::expand`]), as
+//! Gitea does. Everything `run-local` cannot do is refused here, before any environment
+//! starts.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -20,8 +22,17 @@ pub struct JobSpec {
     /// A job-level `if:`. Gitea hands such a job to the runner (which evaluates it) even
     /// when a job it needs did not succeed; without one the job is skipped.
     pub has_if: bool,
-    pub combinations: Vec<Combination>,
+    pub matrix: Matrix,
     definition: Mapping,
+}
+
+/// A job's `strategy.matrix`.
+#[derive(Debug, Clone)]
+pub enum Matrix {
+    /// Literal: its combinations are known now.
+    Known(Vec<Combination>),
+    /// It holds `${{ }}`: expanded with the needed jobs' outputs once they ended.
+    Deferred(Value),
 }
 
 /// One job Gitea would create: a job and one matrix combination.
@@ -36,6 +47,8 @@ pub struct PlannedJob {
     pub combination: Combination,
     /// The single-job workflow the runner receives.
     pub payload: Vec<u8>,
+    /// Stands for a job whose matrix is an expression, until [`Workflow::expand`].
+    pub deferred: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -47,7 +60,7 @@ pub struct Workflow {
 impl Workflow {
     /// # Errors
     /// Invalid YAML, no jobs, a job that needs an unknown job or itself in a cycle, a
-    /// reusable workflow (`uses:` on a job), a matrix given by an expression.
+    /// reusable workflow (`uses:` on a job), a literal matrix with no combinations.
     pub fn parse(text: &[u8]) -> Result<Workflow, LocalError> {
         let mut document: Value = serde_yaml_ng::from_slice(text).map_err(|e| LocalError::Yaml(e.to_string()))?;
         document.apply_merge().map_err(|e| LocalError::Yaml(e.to_string()))?;
@@ -72,8 +85,12 @@ impl Workflow {
                 _ => Vec::new(),
             };
             let has_if = definition.get("if").is_some_and(|condition| !matches!(condition, Value::Null) && condition.as_str() != Some(""));
-            let combinations = matrix(&key, definition.get("strategy").and_then(|s| s.get("matrix")))?;
-            jobs.push(JobSpec { key, needs, has_if, combinations, definition: definition.clone() });
+            let raw_matrix = definition.get("strategy").and_then(|s| s.get("matrix"));
+            let matrix = match raw_matrix {
+                Some(raw) if crate::expression::has_expression(raw) => Matrix::Deferred(raw.clone()),
+                raw => Matrix::Known(matrix(&key, raw)?),
+            };
+            jobs.push(JobSpec { key, needs, has_if, matrix, definition: definition.clone() });
         }
         if jobs.is_empty() {
             return Err(LocalError::NoJobs);
@@ -129,7 +146,8 @@ impl Workflow {
 
     /// The jobs to run, every one after those it needs. `only` runs a single job (its
     /// needs count as succeeded, as `act -j`); `filters` keep the matrix combinations
-    /// whose value of each named key matches.
+    /// whose value of each named key matches. A job whose matrix is an expression is
+    /// planned as one job with [`PlannedJob::deferred`] set, for [`Workflow::expand`].
     ///
     /// # Errors
     /// An unknown `only`, or filters that leave nothing to run.
@@ -144,10 +162,12 @@ impl Workflow {
             if only.is_some_and(|only| only != job.key) {
                 continue;
             }
-            for combination in &job.combinations {
-                let matches = filters.iter().all(|(key, value)| combination.get(key).is_none_or(|v| scalar(v).as_deref() == Some(value.as_str())));
-                if matches {
-                    planned.push(self.single(job, combination)?);
+            match &job.matrix {
+                Matrix::Known(combinations) => planned.extend(self.combinations(job, combinations, filters)?),
+                Matrix::Deferred(_) => {
+                    let mut placeholder = self.single(job, &Combination::new())?;
+                    placeholder.deferred = true;
+                    planned.push(placeholder);
                 }
             }
         }
@@ -155,6 +175,36 @@ impl Workflow {
             return Err(LocalError::NothingToRun);
         }
         Ok(planned)
+    }
+
+    /// The jobs of the deferred job `key` once the jobs it needs ended: its matrix
+    /// evaluated with `contexts` (needs, inputs, vars, github) and expanded, filtered like
+    /// [`Workflow::plan`].
+    ///
+    /// # Errors
+    /// An expression that cannot be evaluated, a matrix that is not one after evaluation,
+    /// or none of its combinations left by the filters.
+    pub fn expand(&self, key: &str, contexts: &serde_json::Value, filters: &[(String, String)]) -> Result<Vec<PlannedJob>, LocalError> {
+        let job = self.jobs.iter().find(|j| j.key == key).ok_or_else(|| LocalError::NoSuchJob { job: key.to_owned(), known: self.keys().join(", ") })?;
+        let Matrix::Deferred(raw) = &job.matrix else {
+            return self.plan(Some(key), filters);
+        };
+        let evaluated = crate::expression::evaluate_value(raw, contexts)
+            .map_err(|e| LocalError::Unsupported { job: key.to_owned(), what: format!("strategy.matrix: {e}") })?;
+        let combinations = matrix(key, Some(&evaluated))?;
+        let planned = self.combinations(job, &combinations, filters)?;
+        if planned.is_empty() {
+            return Err(LocalError::NothingToRun);
+        }
+        Ok(planned)
+    }
+
+    fn combinations(&self, job: &JobSpec, combinations: &[Combination], filters: &[(String, String)]) -> Result<Vec<PlannedJob>, LocalError> {
+        combinations
+            .iter()
+            .filter(|combination| filters.iter().all(|(key, value)| combination.get(key).is_none_or(|v| scalar(v).as_deref() == Some(value.as_str()))))
+            .map(|combination| self.single(job, combination))
+            .collect()
     }
 
     fn keys(&self) -> Vec<String> {
@@ -209,6 +259,7 @@ impl Workflow {
             has_if: job.has_if,
             combination: combination.clone(),
             payload: payload.into_bytes(),
+            deferred: false,
         })
     }
 }
@@ -235,16 +286,12 @@ pub(crate) fn fill_matrix(name: &str, combination: &Combination) -> String {
     filled
 }
 
-fn is_expression(value: &Value) -> bool {
-    value.as_str().is_some_and(|s| s.contains("${{"))
-}
-
 /// The combinations of `strategy.matrix` as GitHub defines them: the product of the
 /// lists, minus `exclude` (partial matches), then each `include` added to every
 /// combination whose original values it does not change, or as a new one.
 fn matrix(job: &str, matrix: Option<&Value>) -> Result<Vec<Combination>, LocalError> {
     let expression =
-        |what: &str| LocalError::Unsupported { job: job.to_owned(), what: format!("{what} is an expression; run-local expands literal matrices only") };
+        |what: &str| LocalError::Unsupported { job: job.to_owned(), what: format!("{what} is not what a matrix holds there (a mapping of lists)") };
     let Some(matrix) = matrix else { return Ok(vec![Combination::new()]) };
     let Value::Mapping(matrix) = matrix else {
         return Err(expression("strategy.matrix"));
@@ -259,9 +306,6 @@ fn matrix(job: &str, matrix: Option<&Value>) -> Result<Vec<Combination>, LocalEr
             ("include", Value::Sequence(entries)) => includes.clone_from(entries),
             ("exclude", Value::Sequence(entries)) => excludes.clone_from(entries),
             (_, Value::Sequence(values)) => {
-                if values.iter().any(is_expression) {
-                    return Err(expression(&format!("strategy.matrix.{key}")));
-                }
                 original_keys.insert(key.clone());
                 combinations = combinations
                     .into_iter()
@@ -365,6 +409,51 @@ mod tests {
     }
 
     #[test]
+    fn a_matrix_given_by_an_expression_is_expanded_once_its_needs_ended() {
+        let text = r#"jobs:
+  prepare: {runs-on: docker, steps: [{run: x}]}
+  whole:
+    needs: prepare
+    runs-on: docker
+    strategy: {matrix: "${{ fromJSON(needs.prepare.outputs.matrix) }}"}
+    steps: [{run: y}]
+  keyed:
+    needs: prepare
+    runs-on: docker
+    strategy: {matrix: {"${{ needs.prepare.outputs.key }}": "${{ fromJSON(needs.prepare.outputs.oses) }}"}}
+    steps: [{run: y}]
+  constant:
+    runs-on: docker
+    strategy: {matrix: {a: "${{ fromJSON('[1,2]') }}"}}
+    steps: [{run: y}]
+"#;
+        let workflow = Workflow::parse(text.as_bytes()).unwrap();
+        let plan = workflow.plan(None, &[]).unwrap();
+        let planned: Vec<(&str, bool)> = plan.iter().map(|j| (j.name.as_str(), j.deferred)).collect();
+        assert_eq!(planned, [("prepare", false), ("whole", true), ("keyed", true), ("constant", true)]);
+        let contexts = serde_json::json!({"needs": {"prepare": {"result": "success", "outputs": {
+            "matrix": r#"{"os": ["linux", "bsd"], "v": [3], "include": [{"os": "mac", "v": 4}]}"#, "key": "os", "oses": r#"["linux","bsd","mac"]"#}}}});
+        let names = |key: &str, filters: &[(String, String)]| -> Vec<String> {
+            workflow.expand(key, &contexts, filters).unwrap().into_iter().map(|j| j.name).collect()
+        };
+        assert_eq!(names("whole", &[]), ["whole (linux, 3)", "whole (bsd, 3)", "whole (mac, 4)"]);
+        assert_eq!(names("keyed", &[]), ["keyed (linux)", "keyed (bsd)", "keyed (mac)"]);
+        assert_eq!(names("constant", &[]), ["constant (1)", "constant (2)"]);
+        assert_eq!(names("keyed", &[("os".into(), "mac".into())]), ["keyed (mac)"]);
+        let expanded = workflow.expand("whole", &contexts, &[]).unwrap();
+        let single: Value = serde_yaml_ng::from_slice(&expanded[2].payload).unwrap();
+        assert_eq!(single["jobs"]["whole"]["strategy"]["matrix"]["v"], Value::Sequence(vec![Value::Number(4.into())]), "the runner gets its combination");
+        assert!(!expanded[0].deferred);
+        let error = workflow.expand("whole", &serde_json::json!({"needs": {}}), &[]).unwrap_err().to_string();
+        assert!(error.contains("fromJSON(needs.prepare.outputs.matrix) }}: cannot be evaluated"), "{error}");
+        let not_a_matrix = serde_json::json!({"needs": {"prepare": {"outputs": {"matrix": "\"linux\""}}}});
+        let error = workflow.expand("whole", &not_a_matrix, &[]).unwrap_err().to_string();
+        assert!(error.contains("strategy.matrix is not what a matrix holds"), "{error}");
+        let error = workflow.expand("keyed", &serde_json::json!({}), &[]).unwrap_err().to_string();
+        assert!(error.contains("\"needs\" is not known"), "{error}");
+    }
+
+    #[test]
     fn what_cannot_run_locally_is_refused_with_the_reason() {
         let table = [
             ("[]", "not a mapping"),
@@ -374,7 +463,7 @@ mod tests {
             ("jobs:\n  a: {needs: b, steps: []}\n", "needs \"b\", which the workflow does not have (it has: a)"),
             ("jobs:\n  a: {needs: b, steps: []}\n  b: {needs: a, steps: []}\n", "jobs that need each other: a, b"),
             ("jobs:\n  call: {uses: other/repo/.gitea/workflows/x.yml@main}\n", "reusable workflow"),
-            ("jobs:\n  m: {strategy: {matrix: {os: '${{ fromJSON(needs.a.outputs.list) }}'}}, steps: []}\n", "strategy.matrix.os is an expression"),
+            ("jobs:\n  m: {strategy: {matrix: {os: linux}}, steps: []}\n", "strategy.matrix.os is not what a matrix holds there"),
             ("jobs:\n  m: {strategy: {matrix: {os: [a], exclude: [{os: a}]}}, steps: []}\n", "no combinations"),
         ];
         for (text, want) in table {

@@ -65,18 +65,23 @@ pub struct LabelPolicy {
     pub required: String,
     /// Accept and declare the legacy labels `pod` and `vm-dev`.
     pub legacy: bool,
+    /// Labels that stand for "this host", as act's `-P ubuntu-latest=-self-hosted`: a job
+    /// whose runs-on has only these runs in a docker container. run-local's, for
+    /// workflows written for GitHub; empty for a runner registered with Gitea, where a
+    /// label must be declared to be offered a job.
+    pub host_platforms: Vec<String>,
 }
 
 impl Default for LabelPolicy {
     fn default() -> Self {
-        LabelPolicy { required: DISPOSABLE.to_owned(), legacy: false }
+        LabelPolicy { required: DISPOSABLE.to_owned(), legacy: false, host_platforms: Vec::new() }
     }
 }
 
 impl LabelPolicy {
     /// The previous implementation's labels: `self-hosted` plus the legacy aliases.
     pub fn seed_compatible() -> Self {
-        LabelPolicy { required: SELF_HOSTED.to_owned(), legacy: true }
+        LabelPolicy { required: SELF_HOSTED.to_owned(), legacy: true, host_platforms: Vec::new() }
     }
 
     /// Every label [`from_labels`] understands under this policy.
@@ -326,6 +331,9 @@ pub fn from_labels(runs_on: &[String], policy: &LabelPolicy) -> Result<Placement
         }
     }
 
+    if !labels.is_empty() && labels.iter().all(|label| policy.host_platforms.iter().any(|platform| platform == label)) {
+        return Ok(Placement::CONTAINER_DOCKER);
+    }
     let known = policy.known();
     let required = policy.required.as_str();
     let unknown: Vec<&str> = labels.iter().copied().filter(|l| !known.contains(l)).collect();
@@ -791,12 +799,24 @@ mod tests {
         assert!(matches!(from_labels(&s(&["disposable", "pod"]), &safe), Err(E::UnknownLabels { .. })));
         let error = from_labels(&s(&["container", "docker"]), &safe).unwrap_err().to_string();
         assert!(error.contains("add `disposable`"), "{error}");
-        let custom = LabelPolicy { required: "ci-gdr".into(), legacy: false };
+        let custom = LabelPolicy { required: "ci-gdr".into(), legacy: false, host_platforms: Vec::new() };
         assert_eq!(from_labels(&s(&["ci-gdr", "container", "kubernetes"]), &custom), Ok(CK));
         for bad in ["", "docker", "pod", "has space", "a:b"] {
-            assert!(LabelPolicy { required: bad.into(), legacy: false }.validate().is_err(), "{bad:?}");
+            assert!(LabelPolicy { required: bad.into(), legacy: false, host_platforms: Vec::new() }.validate().is_err(), "{bad:?}");
         }
         assert!(safe.validate().is_ok() && seed().validate().is_ok());
+    }
+
+    /// run-local's act-like platforms: runs-on made only of them is this host (a docker
+    /// container); mixed with anything else, the usual rules apply.
+    #[test]
+    fn host_platform_labels_run_in_a_docker_container() {
+        let local = LabelPolicy { host_platforms: s(&["ubuntu-latest", "ubuntu-22.04"]), ..LabelPolicy::default() };
+        assert_eq!(from_labels(&s(&["ubuntu-latest"]), &local), Ok(CD));
+        assert_eq!(from_labels(&s(&["ubuntu-22.04", "ubuntu-latest"]), &local), Ok(CD));
+        assert_eq!(from_labels(&s(&["disposable", "vm"]), &local), Ok(VO));
+        assert!(matches!(from_labels(&s(&["ubuntu-latest", "gpu"]), &local), Err(E::UnknownLabels { .. })));
+        assert!(matches!(from_labels(&s(&["ubuntu-latest"]), &LabelPolicy::default()), Err(E::UnknownLabels { .. })), "a registered runner has none");
     }
 
     /// Every runs-on that Gitea would hand to one placement's registration (every subset

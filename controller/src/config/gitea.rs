@@ -96,7 +96,7 @@ fn default_lease_ttl() -> Duration {
 
 impl GiteaConfig {
     pub fn label_policy(&self) -> LabelPolicy {
-        LabelPolicy { required: self.required_label.clone(), legacy: self.legacy_labels }
+        LabelPolicy { required: self.required_label.clone(), legacy: self.legacy_labels, host_platforms: Vec::new() }
     }
 
     pub fn validate(&self, problems: &mut Problems) {

@@ -370,3 +370,230 @@ jobs:
     assert!(stdout.contains("hit=[]") && stdout.contains("this runner keeps no cache"), "--no-cache: {stdout}");
     testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
 }
+
+/// What `act` runs and run-local refused or got wrong before: a matrix computed by a
+/// `prepare` job (`fromJSON(needs.….outputs.…)`, a key from an output, a constant
+/// expression) fanned out once its needs ended and named as Gitea names the jobs; one
+/// mapped action at two refs in one workflow; a `shell: python` step; `github.repository`
+/// from the clone's `origin` remote; the dependent jobs' logs without the runner's line
+/// about each needed job's stand-in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expression_matrices_two_refs_of_an_action_python_and_the_origin_name() {
+    let _turn = e2e::exclusive().await;
+    let image = host().image("gitea-runner");
+    let dir = tempfile::tempdir().unwrap();
+    let workflow = dir.path().join(".gitea/workflows/act.yml");
+    std::fs::create_dir_all(workflow.parent().unwrap()).unwrap();
+    std::fs::write(
+        &workflow,
+        r#"name: act
+on: push
+jobs:
+  prepare:
+    runs-on: ubuntu-latest
+    outputs:
+      matrix: ${{ steps.plan.outputs.matrix }}
+      key: ${{ steps.plan.outputs.key }}
+      flavours: ${{ steps.plan.outputs.flavours }}
+    steps:
+      - id: plan
+        shell: python
+        run: |
+          import json, os, sys
+          with open(os.environ["GITHUB_OUTPUT"], "a") as out:
+              out.write("matrix=" + json.dumps({"os": ["linux", "bsd", "mac"]}) + "\n")
+              out.write("key=flavour\n")
+              out.write("flavours=" + json.dumps(["sweet", "sour"]) + "\n")
+          print("python %d.%d planned the matrix" % sys.version_info[:2])
+  fan:
+    needs: prepare
+    runs-on: ubuntu-latest
+    strategy:
+      matrix: ${{ fromJSON(needs.prepare.outputs.matrix) }}
+    steps:
+      - run: echo "fan over ${{ matrix.os }}"
+  keyed:
+    needs: prepare
+    runs-on: ubuntu-latest
+    strategy:
+      matrix:
+        "${{ needs.prepare.outputs.key }}": ${{ fromJSON(needs.prepare.outputs.flavours) }}
+    steps:
+      - run: echo "keyed ${{ matrix.flavour }}"
+  constant:
+    runs-on: ubuntu-latest
+    strategy:
+      matrix:
+        n: ${{ fromJSON('[1, 2]') }}
+    steps:
+      - run: echo "constant ${{ matrix.n }}"
+  refs:
+    if: github.repository_owner == 'acme'
+    runs-on: ubuntu-latest
+    steps:
+      - id: old
+        uses: acme/say@v1
+      - id: new
+        uses: acme/say@v2
+      - run: echo "said [${{ steps.old.outputs.said }}] [${{ steps.new.outputs.said }}] for ${{ github.repository }}"
+"#,
+    )
+    .unwrap();
+    commit_all(dir.path());
+    let status = std::process::Command::new("git").args(["remote", "add", "origin", "https://gitea.example/acme/app.git"]).current_dir(dir.path()).status();
+    assert!(status.unwrap().success());
+    let (v1, v2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    for (action, says) in [(&v1, "v1 says hi"), (&v2, "v2 says hi")] {
+        let text = format!(
+            "outputs:\n  said: {{value: \"${{{{ steps.say.outputs.said }}}}\"}}\nruns:\n  using: composite\n  steps:\n    - id: say\n      shell: bash\n      run: echo \"said={says}\" >> \"$GITHUB_OUTPUT\"\n"
+        );
+        std::fs::write(action.path().join("action.yml"), text).unwrap();
+    }
+    let mappings = [format!("acme/say@v1={}", v1.path().display()), format!("acme/say@v2={}", v2.path().display())];
+
+    let list = run_local(&workflow, &image).arg("--list").output().await.unwrap();
+    let table = String::from_utf8_lossy(&list.stdout);
+    assert!(table.lines().any(|l| l.split_whitespace().take(3).eq(["fan", "prepare", "needs"])), "{table}");
+
+    let mut command = run_local(&workflow, &image);
+    command.args(["--parallel", "3", "--action", &mappings[0], "--action", &mappings[1]]);
+    let output = tokio::time::timeout(Duration::from_secs(600), command.output()).await.unwrap().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}\n{stderr}");
+    assert_eq!(output.status.code(), Some(0), "the run failed");
+    let printed = |needle: &str| stdout.lines().any(|l| l.ends_with(needle) && !l.contains("echo "));
+    assert!(printed("[prepare] python 3.11 planned the matrix"), "the python step did not run");
+    for os in ["linux", "bsd", "mac"] {
+        assert!(printed(&format!("[fan ({os})] fan over {os}")), "fan ({os}) did not run");
+    }
+    for flavour in ["sweet", "sour"] {
+        assert!(printed(&format!("[keyed ({flavour})] keyed {flavour}")), "keyed ({flavour}) did not run");
+    }
+    for n in ["1", "2"] {
+        assert!(printed(&format!("[constant ({n})] constant {n}")), "constant ({n}) did not run");
+    }
+    assert!(printed("[refs] said [v1 says hi] [v2 says hi] for acme/app"), "the two refs or the origin's name did not arrive");
+    assert!(stderr.contains("run-local: serving") && stderr.contains(" as acme/app ("), "the repository was not named after its origin");
+    assert!(stderr.contains("job \"fan\"'s matrix gives 3: fan (linux), fan (bsd), fan (mac)"), "the expansion was not said");
+    assert!(!stdout.contains("'runs-on' key not defined"), "the runner's line about the needed jobs' stand-ins was printed");
+    let summary: Vec<String> =
+        stderr.lines().filter(|l| l.starts_with("run-local: success ")).map(|l| l.split_whitespace().skip(2).collect::<Vec<_>>().join(" ")).collect();
+    for job in ["prepare", "fan (linux)", "fan (bsd)", "fan (mac)", "keyed (sweet)", "keyed (sour)", "constant (1)", "constant (2)", "refs"] {
+        assert!(summary.iter().any(|s| s == job), "{job} missing from the summary {summary:?}");
+    }
+
+    // Refused with the reason: one ref of one action given twice, a name that is not OWNER/NAME.
+    let twice = run_local(&workflow, &image).args(["--action", &mappings[0], "--action", &mappings[0]]).output().await.unwrap();
+    assert!(String::from_utf8_lossy(&twice.stderr).contains("acme/say@v1 is served from"), "{}", String::from_utf8_lossy(&twice.stderr));
+    let bad = run_local(&workflow, &image).args(["--repository", "acme"]).output().await.unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--repository \"acme\" is not OWNER/NAME"), "{}", String::from_utf8_lossy(&bad.stderr));
+    testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
+}
+
+/// Workflows written by others for GitHub, as published (tests/e2e/workflows/public, each
+/// with a SOURCE.md naming its repository, path and commit), run the way act runs them:
+/// `runs-on: ubuntu-latest` on this host, `actions/checkout@v4` served offline
+/// (tests/e2e/actions/checkout), the clone's `origin` the workflow's own repository.
+/// Each one's result, jobs and printed lines are asserted; the lint one also fails on a
+/// file it must refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_public_workflows_give_the_results_they_give_on_github() {
+    struct Case {
+        dir: &'static str,
+        origin: &'static str,
+        workflow: &'static str,
+        /// (result, job) lines of the summary.
+        jobs: &'static [(&'static str, &'static str)],
+        /// Lines the jobs print, each with how often.
+        printed: &'static [(&'static str, usize)],
+    }
+    let cases = [
+        Case {
+            dir: "pathogen-optional-need",
+            origin: "PathogenPlayground/GitHubActionsTest",
+            workflow: ".github/workflows/optional-need.yml",
+            jobs: &[
+                ("success", "one"),
+                ("success", "two"),
+                ("skipped", "two-skipped"),
+                ("skipped", "two-skipped2"),
+                ("success", "end1"),
+                ("success", "end2"),
+                ("skipped", "end3"),
+            ],
+            printed: &[("] Hello, world!", 1), ("] I am the last step", 2), ("] Empty world.", 0)],
+        },
+        Case {
+            dir: "kaustubh-dynamic-matrix",
+            origin: "kaustubh6686/github-actions-locally",
+            workflow: ".github/workflows/dynamic-matrix.yml",
+            jobs: &[
+                ("success", "Generate Matrix"),
+                ("success", "use_generated_matrix (14)"),
+                ("success", "use_generated_matrix (16)"),
+                ("success", "use_generated_matrix (18)"),
+            ],
+            printed: &[("] generate_matrix.py", 1), ("] Node version is 14", 1), ("] Node version is 16", 1), ("] Node version is 18", 2)],
+        },
+        Case {
+            dir: "dhruv-passing-var",
+            origin: "dhruvkshah75/Github-Actions-Lab",
+            workflow: ".github/workflows/05-passing-var.yaml",
+            jobs: &[("success", "producer"), ("success", "consumer")],
+            printed: &[
+                ("] FOO (set via the GITHUB_ENV):    bar", 1),
+                ("] FOO (via the github output):     bar", 1),
+                ("] FOO (from the output of the producer):    bar", 1),
+            ],
+        },
+        Case { dir: "tpaau-whitespace", origin: "tpaau/shell", workflow: ".github/workflows/whitespace.yml", jobs: &[("success", "build")], printed: &[] },
+    ];
+    let _turn = e2e::exclusive().await;
+    let image = host().image("gitea-runner");
+    let checkout = format!("actions/checkout@v4={}", paths::repository().join("tests/e2e/actions/checkout").display());
+    let run = |root: &std::path::Path, case: &Case| {
+        let mut command = run_local(&root.join(case.workflow), &image);
+        command.args(["--action", &checkout, "--parallel", "3"]);
+        command
+    };
+    let mut table = Vec::new();
+    for case in &cases {
+        let root = tempfile::tempdir().unwrap();
+        let copied = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(paths::repository().join("tests/e2e/workflows/public").join(case.dir).join("."))
+            .arg(root.path())
+            .status();
+        assert!(copied.unwrap().success());
+        commit_all(root.path());
+        let origin = format!("https://github.com/{}.git", case.origin);
+        assert!(std::process::Command::new("git").args(["remote", "add", "origin", &origin]).current_dir(root.path()).status().unwrap().success());
+        let started = Instant::now();
+        let output = tokio::time::timeout(Duration::from_secs(600), run(root.path(), case).output()).await.unwrap().unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        println!("── {} ──\n{stdout}\n{stderr}", case.dir);
+        assert_eq!(output.status.code(), Some(0), "{} failed", case.dir);
+        assert!(stderr.contains(&format!(" as {} (", case.origin)), "{}: not named after its origin", case.dir);
+        for (result, job) in case.jobs {
+            let want = format!("run-local: {result} {job}");
+            assert!(stderr.lines().any(|l| l.split_whitespace().collect::<Vec<_>>().join(" ") == want), "{}: {want:?} missing", case.dir);
+        }
+        for (line, times) in case.printed {
+            let seen = stdout.lines().filter(|l| l.ends_with(line) && !l.contains("echo ")).count();
+            assert_eq!(seen, *times, "{}: {line:?} printed {seen} times", case.dir);
+        }
+        table.push(format!("{:<24} {:<40} success, {} jobs, {:.0?}", case.dir, case.origin, case.jobs.len(), started.elapsed()));
+        if case.dir == "tpaau-whitespace" {
+            // The lint refuses a file with a trailing space: the run fails.
+            std::fs::write(root.path().join("bad.txt"), "trailing \n").unwrap();
+            let output = tokio::time::timeout(Duration::from_secs(300), run(root.path(), case).output()).await.unwrap().unwrap();
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert_eq!(output.status.code(), Some(1), "the lint passed a trailing space:\n{stderr}");
+            assert!(stderr.lines().any(|l| l.split_whitespace().collect::<Vec<_>>().join(" ") == "run-local: failure build"), "{stderr}");
+            table.push(format!("{:<24} {:<40} failure with a trailing space, as it must", case.dir, case.origin));
+        }
+    }
+    println!("public workflows through run-local:\n{}", table.join("\n"));
+    testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
+}
