@@ -7,7 +7,7 @@
 //! arrays as `fromJSON('…')`) and the constant expression left is evaluated. Pure; the
 //! contexts are a JSON object keyed by lower-case context name.
 
-use github_actions_expressions::{Evaluation, Expr, context::Context, literal::Literal};
+use github_actions_expressions::{Expr, context::Context, literal::Literal};
 use serde_json::Value as Json;
 use serde_yaml_ng::Value;
 
@@ -111,11 +111,7 @@ pub fn evaluate(expression: &str, contexts: &Json) -> Result<Json, ExpressionErr
         .map_err(|e| error(e.to_string()))?
         .consteval()
         .ok_or_else(|| error("cannot be evaluated before the job starts (run-local knows needs, inputs, vars and github here)".into()))?;
-    json_of(evaluation).map_err(|()| error("gives a number JSON cannot hold".into()))
-}
-
-fn json_of(evaluation: Evaluation) -> Result<Json, ()> {
-    evaluation.try_into()
+    evaluation.try_into().map_err(|()| error("gives a number JSON cannot hold".into()))
 }
 
 /// The value a context reference names; a missing field is null, as in GitHub.

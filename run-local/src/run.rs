@@ -39,9 +39,6 @@ use crate::{
     workflow::{self, PlannedJob, Workflow},
 };
 
-/// `github.repository` of a run outside a clone with an `origin` remote.
-const DEFAULT_REPOSITORY: &str = "local/workflow";
-
 /// The installation name of local runs.
 const LOCAL_INSTANCE: &str = "local";
 
@@ -86,6 +83,12 @@ impl Job {
         Job { planned, task_id: assignment.task.id, placement: assignment.placement, runs_on: assignment.runs_on, state: JobState::Waiting, assignment: None }
     }
 
+    /// As Gitea decides: a job runs when every job it needs succeeded, or when it has an
+    /// `if:` (which the runner then evaluates); otherwise it is skipped.
+    fn runs_after(&self, needs: &BTreeMap<String, TaskNeed>) -> bool {
+        self.planned.has_if || needs.values().all(|need| need.result == TaskResult::Success as i32)
+    }
+
     fn ended(&self) -> Option<&reports::Ended> {
         match &self.state {
             JobState::Done(ended) => Some(ended),
@@ -111,9 +114,8 @@ struct Planner<'a> {
 }
 
 impl Planner<'_> {
-    /// `jobs[index]`'s combinations as jobs of their own, evaluated with its needs.
-    fn expand(&mut self, jobs: &[Job], index: usize, needs: &BTreeMap<String, TaskNeed>, inputs: &Inputs) -> anyhow::Result<Vec<Job>> {
-        let key = &jobs[index].planned.key;
+    /// The combinations of the deferred job `key` as jobs of their own, evaluated with its needs.
+    fn expand(&mut self, key: &str, needs: &BTreeMap<String, TaskNeed>, inputs: &Inputs) -> anyhow::Result<Vec<Job>> {
         let contexts = task::expression_contexts(&inputs.run, key, needs, &inputs.vars);
         let planned = self.workflow.expand(key, &contexts, self.filters)?;
         planned
@@ -137,12 +139,11 @@ impl Planner<'_> {
                     return None;
                 }
                 let needs = needs_of(jobs, index)?;
-                let runs = job.planned.has_if || needs.values().all(|need| need.result == TaskResult::Success as i32);
-                runs.then_some((index, needs))
+                job.runs_after(&needs).then_some((index, needs))
             });
             let Some((index, needs)) = ready else { return };
-            let name = jobs[index].planned.name.clone();
-            match self.expand(jobs, index, &needs, inputs) {
+            let (key, name) = (jobs[index].planned.key.clone(), jobs[index].planned.name.clone());
+            match self.expand(&key, &needs, inputs) {
                 Ok(expanded) => {
                     let names: Vec<&str> = expanded.iter().map(|j| j.planned.name.as_str()).collect();
                     eprintln!("run-local: job {name:?}'s matrix gives {}: {}", expanded.len(), names.join(", "));
@@ -200,8 +201,8 @@ pub async fn run(args: RunLocalArgs, interrupts: tokio::sync::mpsc::UnboundedRec
     let root = repository::work_tree_of(&args.workflow).await;
     let repository = match (&args.repository, &root) {
         (Some(name), _) => repository::owner_and_name(name).ok_or_else(|| anyhow::anyhow!("--repository {name:?} is not OWNER/NAME"))?,
-        (None, Some(root)) => repository::origin_name(root).await.unwrap_or_else(|| DEFAULT_REPOSITORY.to_owned()),
-        (None, None) => DEFAULT_REPOSITORY.to_owned(),
+        (None, Some(root)) => repository::origin_name(root).await.unwrap_or_else(|| task::DEFAULT_REPOSITORY.to_owned()),
+        (None, None) => task::DEFAULT_REPOSITORY.to_owned(),
     };
 
     // Every job must name a placement before anything starts.
@@ -492,9 +493,7 @@ async fn schedule(
             }
             let Some(needs) = needs_of(jobs, index) else { continue };
             let running = jobs.iter().filter(|j| matches!(j.state, JobState::Running)).count();
-            let all_succeeded = needs.values().all(|need| need.result == TaskResult::Success as i32);
-            if !all_succeeded && !jobs[index].planned.has_if {
-                // As Gitea: without an `if:` a job whose needs did not all succeed is skipped.
+            if !jobs[index].runs_after(&needs) {
                 eprintln!("run-local: job {:?} skipped: a job it needs did not succeed", jobs[index].planned.name);
                 jobs[index].state = JobState::Done(reports::Ended { result: TaskResult::Skipped as i32, ..Default::default() });
                 continue;
@@ -615,25 +614,21 @@ fn summary(jobs: &[Job]) {
     eprintln!("run-local: ── summary ──");
     for job in jobs {
         let Some(ended) = job.ended() else { continue };
-        eprintln!("run-local: {:<10} {}", result_word(ended.result), job.planned.name);
+        eprintln!("run-local: {:<10} {}", task::result_word(ended.result), job.planned.name);
         let names = step_names(&job.planned.payload);
         for step in &ended.steps {
             let name = usize::try_from(step.id).ok().and_then(|i| names.get(i)).cloned().unwrap_or_else(|| format!("step {}", step.id));
             let name = workflow::fill_matrix(&name, &job.planned.combination);
-            eprintln!("run-local:   {:<10} {name}", result_word(step.result));
+            eprintln!("run-local:   {:<10} {name}", task::result_word(step.result));
         }
     }
-    eprintln!("run-local: {} {}", if jobs.len() == 1 { "job" } else { "run" }, result_word(run_result(jobs)));
+    eprintln!("run-local: {} {}", if jobs.len() == 1 { "job" } else { "run" }, task::result_word(run_result(jobs)));
 }
 
 /// The run's result as Gitea sums up its jobs.
 fn run_result(jobs: &[Job]) -> i32 {
     let no_outputs = BTreeMap::new();
     task::need_of(jobs.iter().filter_map(|j| j.ended().map(|e| (e.result, &no_outputs)))).result
-}
-
-fn result_word(result: i32) -> String {
-    controller::lifecycle::result_name(result).trim_start_matches("RESULT_").to_ascii_lowercase()
 }
 
 /// The job's step names as the workflow writes them (`name`, else `run`/`uses`).

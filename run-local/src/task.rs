@@ -40,6 +40,14 @@ pub enum LocalError {
     MissingInput(String),
 }
 
+/// `github.repository` of a run outside a clone with an `origin` remote.
+pub const DEFAULT_REPOSITORY: &str = "local/workflow";
+
+/// A result as workflows spell it: `success`, `failure`, `cancelled`, `skipped`.
+pub fn result_word(result: i32) -> String {
+    controller::lifecycle::result_name(result).trim_start_matches("RESULT_").to_ascii_lowercase()
+}
+
 /// What `run-local` knows about the run (defaults describe a local checkout).
 #[derive(Debug, Clone)]
 pub struct RunContext {
@@ -78,7 +86,7 @@ impl RunContext {
 impl Default for RunContext {
     fn default() -> Self {
         RunContext {
-            repository: "local/workflow".into(),
+            repository: DEFAULT_REPOSITORY.into(),
             sha: "0000000000000000000000000000000000000000".into(),
             ref_name: "main".into(),
             event_name: "workflow_dispatch".into(),
@@ -150,13 +158,8 @@ fn to_json(value: &PbValue) -> serde_json::Value {
 /// The contexts a job's matrix expression is evaluated with once its needs ended, as
 /// Gitea's jobparser has them: `needs` (results and outputs), `inputs`, `vars`, `github`.
 pub fn expression_contexts(run: &RunContext, job: &str, needs: &BTreeMap<String, TaskNeed>, vars: &BTreeMap<String, String>) -> serde_json::Value {
-    let needs: serde_json::Map<String, serde_json::Value> = needs
-        .iter()
-        .map(|(key, need)| {
-            let result = TaskResult::try_from(need.result).map_or("", |r| r.as_str_name()).trim_start_matches("RESULT_").to_ascii_lowercase();
-            (key.clone(), serde_json::json!({ "result": result, "outputs": need.outputs }))
-        })
-        .collect();
+    let needs: serde_json::Map<String, serde_json::Value> =
+        needs.iter().map(|(key, need)| (key.clone(), serde_json::json!({ "result": result_word(need.result), "outputs": need.outputs }))).collect();
     let github = serde_json::Value::Object(context(run, job).fields.iter().map(|(k, v)| (k.clone(), to_json(v))).collect());
     serde_json::json!({
         "needs": needs,

@@ -29,6 +29,12 @@ fn commit_all(dir: &std::path::Path) {
     }
 }
 
+/// Gives the repository at `dir` the `origin` remote `url` (run-local names the run after it).
+fn add_origin(dir: &std::path::Path, url: &str) {
+    let status = std::process::Command::new("git").args(["remote", "add", "origin", url]).current_dir(dir).status().unwrap();
+    assert!(status.success(), "git remote add origin {url}");
+}
+
 fn local_environments() -> Vec<String> {
     host().containers("gitea-dynamic-runner/instance=local")
 }
@@ -440,8 +446,7 @@ jobs:
     )
     .unwrap();
     commit_all(dir.path());
-    let status = std::process::Command::new("git").args(["remote", "add", "origin", "https://gitea.example/acme/app.git"]).current_dir(dir.path()).status();
-    assert!(status.unwrap().success());
+    add_origin(dir.path(), "https://gitea.example/acme/app.git");
     let (v1, v2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     for (action, says) in [(&v1, "v1 says hi"), (&v2, "v2 says hi")] {
         let text = format!(
@@ -567,8 +572,7 @@ async fn real_public_workflows_give_the_results_they_give_on_github() {
             .status();
         assert!(copied.unwrap().success());
         commit_all(root.path());
-        let origin = format!("https://github.com/{}.git", case.origin);
-        assert!(std::process::Command::new("git").args(["remote", "add", "origin", &origin]).current_dir(root.path()).status().unwrap().success());
+        add_origin(root.path(), &format!("https://github.com/{}.git", case.origin));
         let started = Instant::now();
         let output = tokio::time::timeout(Duration::from_secs(600), run(root.path(), case).output()).await.unwrap().unwrap();
         let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
