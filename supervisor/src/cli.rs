@@ -7,7 +7,10 @@
 //! the code that uses them (the runner's hooks in the agent, dockerd's bridge in
 //! `pid1::dockerd`, the runner user in `pid1::settings`).
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use clap::{Args, Parser, Subcommand};
 use contract::environment::{self as env, Contract};
@@ -68,6 +71,11 @@ pub struct Environment {
     /// Start a job-local dockerd (and its storage). Off for environments without Docker.
     #[arg(long, env = "SUPERVISOR_DOCKER", default_value_t = true, action = clap::ArgAction::Set)]
     pub docker: bool,
+    /// The job's dockerd runs rootless, as the runner uid in its own user namespace
+    /// (rootlesskit): no loop storage, no cgroup changes, its socket in
+    /// --docker-socket's directory, which must not be /var/run.
+    #[arg(long, env = "SUPERVISOR_DOCKER_ROOTLESS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub docker_rootless: bool,
     /// dockerd's data root; backed by a loop-mounted ext4 image unless already a mountpoint.
     #[arg(long, env = "SUPERVISOR_DOCKER_DATA_ROOT", default_value = "/var/lib/docker", value_parser = parse_absolute)]
     pub docker_data_root: PathBuf,
@@ -120,6 +128,14 @@ pub struct RunArgs {
 
     #[arg(long, env = "SUPERVISOR_DOCKERD", default_value = "dockerd")]
     pub dockerd: PathBuf,
+    /// What starts a rootless dockerd: Docker's own `dockerd-rootless.sh` (rootlesskit and
+    /// slirp4netns around dockerd), looked up in PATH.
+    #[arg(long, env = "SUPERVISOR_ROOTLESS_DOCKERD", default_value = "dockerd-rootless.sh")]
+    pub rootless_dockerd: PathBuf,
+    /// Registry mirrors for the job's dockerd (comma-separated URLs): every environment
+    /// starts with no image, so pulls of Docker Hub images go to the operator's mirror first.
+    #[arg(long = "registry-mirror", env = "SUPERVISOR_REGISTRY_MIRRORS", value_delimiter = ',', value_parser = parse_http_url)]
+    pub registry_mirrors: Vec<String>,
     #[arg(long, env = "SUPERVISOR_DOCKER_EXEC_ROOT", default_value = "/var/run/docker", value_parser = parse_absolute)]
     pub docker_exec_root: PathBuf,
     #[arg(long, env = "SUPERVISOR_DOCKER_PIDFILE", default_value = "/var/run/docker.pid", value_parser = parse_absolute)]
@@ -226,6 +242,7 @@ impl DoctorArgs {
             spiffe_endpoint: e.spiffe_endpoint.clone(),
             spiffe_id: e.spiffe_id.clone(),
             docker: e.docker,
+            docker_rootless: e.docker && e.docker_rootless,
             docker_data_root: e.docker_data_root.clone(),
             docker_socket: e.docker_socket.clone(),
             dockerd_log: e.dockerd_log.clone(),
@@ -290,6 +307,9 @@ impl RunArgs {
             spiffe_endpoint: e.spiffe_endpoint.clone(),
             identity_timeout: self.identity_timeout,
             docker: e.docker,
+            docker_rootless: e.docker && e.docker_rootless,
+            rootless_dockerd: self.rootless_dockerd.clone(),
+            registry_mirrors: self.registry_mirrors.clone(),
             docker_data_root: e.docker_data_root.clone(),
             docker_socket: e.docker_socket.clone(),
             dockerd_log: e.dockerd_log.clone(),
@@ -368,6 +388,16 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
                 "--storage-image (SUPERVISOR_STORAGE_IMAGE) {} must not be inside --docker-data-root {}",
                 args.storage_image.display(),
                 args.environment.docker_data_root.display()
+            ));
+        }
+        if args.environment.docker_rootless
+            && args.environment.docker_socket.parent().is_none_or(|dir| dir == Path::new("/var/run") || dir == Path::new("/run"))
+        {
+            return Err(format!(
+                "--docker-socket (SUPERVISOR_DOCKER_SOCKET) {} cannot serve a rootless dockerd, which runs as the runner uid: \
+                 put it in the runner's own runtime directory, e.g. /run/user/{}/docker.sock",
+                args.environment.docker_socket.display(),
+                args.user.runner_uid
             ));
         }
         if args.docker_ready_timeout >= Duration::from_secs(3600) {

@@ -9,7 +9,7 @@ use supervisor::{
     cli::{Cli, Command},
     exit, init_logging,
     pid1::{self, run},
-    tools::{doctor, job_started},
+    tools::{self, docker_shim, doctor, job_started},
 };
 
 /// The revision comes from scripts/build-static (GDR_REVISION): only this file reads it,
@@ -20,7 +20,15 @@ const REVISION: &str = match option_env!("GDR_REVISION") {
 };
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    // The image's /usr/local/bin/docker is this binary.
+    if tools::invoked_as("docker") {
+        return ExitCode::from(docker_shim::run());
+    }
+    // gitea-runner runs its job-started hook by path and without arguments — in the
+    // environment, or in a `container:` job's container, where the hook's path is this
+    // binary mounted (/etc/gitea-runner/config.yaml).
+    let parsed = if tools::invoked_as(job_started::HOOK_NAME) { Cli::try_parse_from(["supervisor", "job-started"]) } else { Cli::try_parse() };
+    let cli = match parsed {
         Ok(cli) => cli,
         Err(error) => {
             let _ = error.print();

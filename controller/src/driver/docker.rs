@@ -6,10 +6,16 @@
 //! the assignment for recovery. A terminal container is stopped and removed with its
 //! storage (the loop-backed image lives in the container).
 //!
-//! Two kinds of container (docs/security.md):
+//! Three kinds of container (docs/security.md):
 //! - by default an unprivileged one — Docker's default capabilities less those a job
 //!   never needs, its default seccomp and AppArmor profiles, `no-new-privileges` — and no
 //!   job-local dockerd: fit for untrusted code;
+//! - with `rootless_dockerd = true` the same capabilities, and a dockerd that runs as the
+//!   runner in user namespaces of its own: the operator's seccomp profile opened for
+//!   namespace calls (`seccomp`), an unmasked /proc (a user namespace mounts its own only
+//!   where the whole of it is visible), /dev/net/tun for slirp4netns, an anonymous volume
+//!   for its images, and `no-new-privileges` off so that newuidmap's file capability
+//!   works (the image has no setuid file): fit for untrusted code;
 //! - with `job_dockerd = true` a container that can mount loop devices and run its own
 //!   dockerd: `privileged`, or (hosts that refuse `--privileged`) an explicit capability
 //!   and device list. A job step is root on the host there: trusted code only.
@@ -48,6 +54,18 @@ pub struct DockerConfig {
     /// host: for trusted code only. Off by default.
     #[serde(default)]
     pub job_dockerd: bool,
+    /// Every job gets its own rootless dockerd (runner uid, user namespaces): `docker
+    /// build`, `services:`, `container:` with no step root on this host. Needs
+    /// /dev/net/tun (mode 0666) and `seccomp_profile` on this host.
+    #[serde(default)]
+    pub rootless_dockerd: bool,
+    /// The seccomp profile rootless environments start from (see `driver::seccomp`).
+    #[serde(default = "default_seccomp_profile")]
+    pub seccomp_profile: String,
+    /// Registry mirrors every job dockerd pulls Docker Hub images through, e.g.
+    /// `["https://mirror.example.org"]`.
+    #[serde(default)]
+    pub registry_mirrors: Vec<String>,
     /// `--privileged` (with `job_dockerd`); when false, the explicit lists below apply.
     #[serde(default)]
     pub privileged: bool,
@@ -86,6 +104,15 @@ pub struct DockerConfig {
 /// the agent as the runner uid).
 const UNNEEDED_CAPABILITIES: [&str; 6] = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP", "SYS_CHROOT", "NET_BIND_SERVICE"];
 
+fn default_seccomp_profile() -> String {
+    "/usr/share/containers/seccomp.json".into()
+}
+/// The rootless dockerd's socket in the environment: the runner's runtime directory.
+const ROOTLESS_SOCKET: &str = "/run/user/2000/docker.sock";
+/// Where a rootless dockerd keeps its images: an anonymous volume, removed with the
+/// container (a user namespace's overlay cannot stack on the container's own).
+const ROOTLESS_DATA_ROOT: &str = "/var/lib/docker";
+
 fn default_socket() -> String {
     "/var/run/docker.sock".into()
 }
@@ -110,12 +137,18 @@ impl DockerConfig {
     pub fn unprivileged(image: &str) -> DockerConfig {
         DockerConfig {
             job_dockerd: false,
+            rootless_dockerd: false,
             cap_add: Vec::new(),
             cap_drop: Vec::new(),
             security_opt: Vec::new(),
             device_cgroup_rules: Vec::new(),
             ..DockerConfig::unprivileged_loop_capable(image)
         }
+    }
+
+    /// An unprivileged container with a rootless job-local dockerd.
+    pub fn rootless(image: &str) -> DockerConfig {
+        DockerConfig { rootless_dockerd: true, ..DockerConfig::unprivileged(image) }
     }
 
     /// `--privileged` with a job-local dockerd.
@@ -137,6 +170,9 @@ impl DockerConfig {
             socket: default_socket(),
             image: image.to_owned(),
             job_dockerd: true,
+            rootless_dockerd: false,
+            seccomp_profile: default_seccomp_profile(),
+            registry_mirrors: Vec::new(),
             privileged: false,
             cap_add: vec!["ALL".into()],
             cap_drop: vec!["SYS_RESOURCE".into()],
@@ -176,6 +212,13 @@ impl DockerConfig {
                  (cap_add = [\"ALL\"], device_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"], security_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"])",
             );
         }
+        if self.job_dockerd && self.rootless_dockerd {
+            problems.add(
+                "docker.rootless_dockerd",
+                "choose one job dockerd: rootless_dockerd (no step is root on this host) or job_dockerd (a step is root on this host: trusted code only)",
+            );
+        }
+        super::check_registry_mirrors("docker.registry_mirrors", &self.registry_mirrors, problems);
         if !self.job_dockerd && (self.privileged || !self.cap_add.is_empty() || !self.device_cgroup_rules.is_empty()) {
             problems.add(
                 "docker.privileged",
@@ -220,6 +263,8 @@ pub struct DockerDriver {
     placement: Placement,
     docker: Docker,
     config: DockerConfig,
+    /// The seccomp profile of rootless environments, read once (`rootless_dockerd`).
+    rootless_seccomp: Option<String>,
 }
 
 impl DockerDriver {
@@ -230,12 +275,17 @@ impl DockerDriver {
     pub async fn connect(config: DockerConfig) -> Result<Self, DriverError> {
         let unavailable = |detail: String| DriverError::Unavailable { placement: Placement::CONTAINER_DOCKER.to_string(), detail };
         Problems::check(|problems| config.validate(problems)).map_err(|problems| unavailable(problems.to_string()))?;
+        let rootless_seccomp = if config.rootless_dockerd {
+            Some(super::seccomp::read_rootless_profile(&config.seccomp_profile).map_err(|e| unavailable(format!("docker.seccomp_profile: {e}")))?)
+        } else {
+            None
+        };
         let docker = Docker::connect_with_unix(&config.socket, 120, bollard::API_DEFAULT_VERSION)
             .map_err(|e| unavailable(format!("cannot use the Docker socket {}: {e}", config.socket)))?
             .negotiate_version()
             .await
             .map_err(|e| unavailable(format!("the Docker daemon at {} does not answer: {e}", config.socket)))?;
-        Ok(DockerDriver { placement: Placement::CONTAINER_DOCKER, docker, config })
+        Ok(DockerDriver { placement: Placement::CONTAINER_DOCKER, docker, config, rootless_seccomp })
     }
 
     /// Places its environments under `placement` in labels and errors (run-local runs a
@@ -277,15 +327,40 @@ impl DockerDriver {
         // Validated when the configuration was read.
         let (memory, nano_cpus) = config.limits().unwrap_or((4 << 30, 2_000_000_000));
         let mut env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let (cap_drop, security_opt) = if config.job_dockerd {
-            env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
-            (config.cap_drop.clone(), config.security_opt.clone())
-        } else {
-            env.push("SUPERVISOR_DOCKER=false".to_owned());
-            // Docker's default set less what neither the supervisor nor a job needs; no
-            // setuid binary may raise a step's privileges.
-            let drop = UNNEEDED_CAPABILITIES.iter().map(|c| (*c).to_owned()).chain(config.cap_drop.iter().cloned()).collect();
-            (drop, std::iter::once("no-new-privileges".to_owned()).chain(config.security_opt.iter().cloned()).collect())
+        if !config.registry_mirrors.is_empty() {
+            env.push(format!("SUPERVISOR_REGISTRY_MIRRORS={}", config.registry_mirrors.join(",")));
+        }
+        // Docker's default set less what neither the supervisor nor a job needs.
+        let unneeded = || UNNEEDED_CAPABILITIES.iter().map(|c| (*c).to_owned()).chain(config.cap_drop.iter().cloned()).collect::<Vec<_>>();
+        let mut devices = None;
+        let mut volumes = None;
+        let mut unmasked = None;
+        let (cap_drop, security_opt) = match &self.rootless_seccomp {
+            _ if config.job_dockerd => {
+                env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
+                (config.cap_drop.clone(), config.security_opt.clone())
+            }
+            Some(profile) => {
+                env.extend(["SUPERVISOR_DOCKER_ROOTLESS=true".to_owned(), format!("SUPERVISOR_DOCKER_SOCKET={ROOTLESS_SOCKET}")]);
+                devices = Some(vec![bollard::models::DeviceMapping {
+                    path_on_host: Some("/dev/net/tun".into()),
+                    path_in_container: Some("/dev/net/tun".into()),
+                    cgroup_permissions: Some("rwm".into()),
+                }]);
+                volumes = Some(vec![ROOTLESS_DATA_ROOT.to_owned()]);
+                // Without no-new-privileges: newuidmap's file capability must work; the
+                // image has no setuid file that could raise a step to root instead.
+                // The CLI's `systempaths=unconfined`: an empty list of masked and read-only
+                // paths under /proc and /sys (the API has no such option).
+                unmasked = Some(Vec::new());
+                let confinement = [format!("seccomp={profile}"), "apparmor=unconfined".to_owned()];
+                (unneeded(), confinement.into_iter().chain(config.security_opt.iter().cloned()).collect())
+            }
+            None => {
+                env.push("SUPERVISOR_DOCKER=false".to_owned());
+                // No setuid binary may raise a step's privileges.
+                (unneeded(), std::iter::once("no-new-privileges".to_owned()).chain(config.security_opt.iter().cloned()).collect())
+            }
         };
         let host_config = HostConfig {
             memory: Some(memory),
@@ -299,6 +374,9 @@ impl DockerDriver {
             security_opt: (!security_opt.is_empty()).then_some(security_opt),
             device_cgroup_rules: (!config.privileged && !config.device_cgroup_rules.is_empty()).then(|| config.device_cgroup_rules.clone()),
             binds: (!binds.is_empty()).then_some(binds),
+            devices,
+            masked_paths: unmasked.clone(),
+            readonly_paths: unmasked,
             network_mode: config.network.clone(),
             // An environment runs one job and is then removed by the controller.
             auto_remove: Some(false),
@@ -308,6 +386,7 @@ impl DockerDriver {
             image: Some(config.image.clone()),
             env: Some(env),
             labels: Some(spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
+            volumes,
             host_config: Some(host_config),
             ..Default::default()
         }

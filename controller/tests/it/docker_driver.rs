@@ -105,3 +105,46 @@ async fn a_missing_socket_is_named() {
     let error = DockerDriver::connect(config).await.unwrap_err();
     assert!(error.to_string().contains("/nonexistent/docker.sock"), "{error}");
 }
+
+/// A rootless environment: the default mode's capabilities, the operator's seccomp profile
+/// opened for the namespace calls, /proc unmasked, the tun device, an anonymous volume for
+/// the images (removed with the container), no `no-new-privileges`, the mirrors passed on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rootless_environment_is_made_as_documented() {
+    let docker = dockerd();
+    import_image(&docker, "gdr-runner:test");
+    let facade_dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(facade_dir.path().join("gitea-task-5")).unwrap();
+    let mut config = DockerConfig::rootless("gdr-runner:test");
+    config.socket = docker.socket.display().to_string();
+    config.stop_seconds = 1;
+    config.registry_mirrors = vec!["http://10.0.0.1:5000".into()];
+    let driver = DockerDriver::connect(config.clone()).await.unwrap();
+    let name = driver.create(&spec("gitea-task-5", facade_dir.path())).await.unwrap().name;
+
+    let env = inspect(&docker, &name, "{{json .Config.Env}}");
+    for wanted in ["SUPERVISOR_DOCKER_ROOTLESS=true", "SUPERVISOR_DOCKER_SOCKET=/run/user/2000/docker.sock", "SUPERVISOR_REGISTRY_MIRRORS=http://10.0.0.1:5000"]
+    {
+        assert!(env.contains(wanted), "{wanted} missing: {env}");
+    }
+    assert!(!env.contains("SUPERVISOR_DOCKER=false") && !env.contains("SUPERVISOR_STORAGE_SIZE"), "{env}");
+    assert_eq!(inspect(&docker, &name, "{{.HostConfig.Privileged}} {{json .HostConfig.CapAdd}}"), "false null");
+    let dropped = inspect(&docker, &name, "{{json .HostConfig.CapDrop}}");
+    assert!(dropped.contains("NET_RAW") && dropped.contains("MKNOD"), "{dropped}");
+    let options = inspect(&docker, &name, "{{json .HostConfig.SecurityOpt}}");
+    assert!(!options.contains("no-new-privileges") && options.contains("apparmor=unconfined"), "{options}");
+    assert!(options.contains("gitea-dynamic-runner: a rootless dockerd"), "the profile is not the opened one: {}", &options[..options.len().min(300)]);
+    assert_eq!(inspect(&docker, &name, "{{json .HostConfig.MaskedPaths}} {{json .HostConfig.ReadonlyPaths}}"), "[] []");
+    assert_eq!(inspect(&docker, &name, "{{range .HostConfig.Devices}}{{.PathOnHost}} {{.CgroupPermissions}}{{end}}"), "/dev/net/tun rwm");
+    let volume = inspect(&docker, &name, "{{range .Mounts}}{{if eq .Destination \"/var/lib/docker\"}}{{.Name}}{{end}}{{end}}");
+    assert!(!volume.is_empty(), "no volume at /var/lib/docker");
+    driver.stop(&name).await.unwrap();
+    driver.delete(&name).await.unwrap();
+    let volumes = Command::new("docker").env("DOCKER_HOST", format!("unix://{}", docker.socket.display())).args(["volume", "ls", "-q"]).output().unwrap();
+    assert!(!String::from_utf8_lossy(&volumes.stdout).contains(&volume), "the image volume outlived its container");
+
+    // Without the profile the placement does not start, and says which package has it.
+    config.seccomp_profile = "/nonexistent/seccomp.json".into();
+    let error = DockerDriver::connect(config).await.unwrap_err().to_string();
+    assert!(error.contains("golang-github-containers-common") && error.contains("/nonexistent/seccomp.json"), "{error}");
+}

@@ -18,12 +18,25 @@ pub struct AgentConfig {
     /// Whether PID 1 reports on dockerd (see [`super::docker_report`]).
     pub docker: bool,
     pub docker_host: Option<String>,
+    /// A rootless dockerd's public socket, which the agent serves ([`super::docker_proxy`]).
+    #[serde(default)]
+    pub docker_proxy: Option<DockerProxy>,
     pub socket: PathBuf,
     pub command: Vec<String>,
     /// With a facade: claim the task and serve it to gitea-runner (the job command)
     /// through the loopback RunnerService; without: just run the command.
     #[serde(default)]
     pub facade: Option<FacadeSettings>,
+}
+
+/// Where the agent takes `docker` calls ([`super::docker_proxy`]) and where dockerd
+/// answers them once it binds its socket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DockerProxy {
+    pub listen: PathBuf,
+    pub upstream: PathBuf,
+    /// How long a call waits for dockerd.
+    pub patience_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

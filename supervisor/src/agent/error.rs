@@ -23,6 +23,8 @@ pub enum AgentError {
     Signals(#[source] std::io::Error),
     #[error("cannot listen on the readiness socket {}", .socket.display())]
     ReadinessSocket { socket: PathBuf, source: std::io::Error },
+    #[error("cannot listen on the job's docker socket {} (the rootless dockerd's)", .socket.display())]
+    DockerSocket { socket: PathBuf, source: std::io::Error },
     #[error("the readiness state is gone")]
     ReadinessLost,
     #[error("no usable SPIFFE identity for this job: {0}")]
@@ -59,7 +61,7 @@ impl AgentError {
         match self {
             AgentError::Config(_) | AgentError::NoCapability | AgentError::PassThrough(_) | AgentError::NoCommand => exit::USAGE,
             AgentError::Identity(_) => exit::IDENTITY,
-            AgentError::Docker(_) => exit::DOCKER,
+            AgentError::Docker(_) | AgentError::DockerSocket { .. } => exit::DOCKER,
             AgentError::Facade(_) | AgentError::Claim(_) => exit::CLAIM,
             AgentError::Spawn { source, .. } => exit::spawn_failure(source),
             AgentError::NotDumpable(_)

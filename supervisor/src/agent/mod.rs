@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, watch};
 
 pub mod cache_proxy;
 pub mod config;
+pub mod docker_proxy;
 pub mod docker_report;
 pub mod error;
 pub mod facade_client;
@@ -27,7 +28,7 @@ pub mod loopback;
 pub mod proxy;
 pub mod ready;
 
-pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, FacadeSettings, IdentitySettings};
+pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, DockerProxy, FacadeSettings, IdentitySettings};
 pub use docker_report::DOCKER_FD;
 pub use error::AgentError;
 use job::Signals;
@@ -88,6 +89,12 @@ async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
                 }
             });
         });
+    }
+    if let Some(proxy) = &config.docker_proxy {
+        let listener = docker_proxy::bind(&proxy.listen).map_err(|source| AgentError::DockerSocket { socket: proxy.listen.clone(), source })?;
+        let listening = format!("{} takes connections; the rootless dockerd starts behind it", proxy.listen.display());
+        state.send_modify(|r| r.docker = Status::Starting(listening));
+        tasks.spawn(docker_proxy::serve(listener, proxy.upstream.clone(), Duration::from_millis(proxy.patience_ms)));
     }
     if config.docker {
         let state = state.clone();

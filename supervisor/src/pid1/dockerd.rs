@@ -24,10 +24,23 @@ pub enum Bridge {
     None,
 }
 
+/// Where dockerd takes its API connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    /// The socket PID 1 bound and handed over as [`LISTEN_FD`].
+    Activated,
+    /// A socket dockerd binds itself: a rootless dockerd starts in namespaces of its own,
+    /// behind rootlesskit, which keeps fd 3 for itself.
+    Socket(PathBuf),
+}
+
 /// What dockerd is started with.
 #[derive(Debug, Clone)]
 pub struct DockerdConfig {
     pub dockerd: PathBuf,
+    pub listen: Listen,
+    pub storage_driver: &'static str,
+    pub registry_mirrors: Vec<String>,
     pub data_root: PathBuf,
     pub exec_root: PathBuf,
     pub pidfile: PathBuf,
@@ -37,19 +50,24 @@ pub struct DockerdConfig {
     pub mtu: Option<u32>,
 }
 
-/// dockerd's arguments: the socket PID 1 passes it (fd 3), job-local paths, explicit
-/// cgroupfs driver (dockerd would pick systemd on v2 if /run/systemd/system exists),
-/// overlay2 storage, no TCP listener.
+/// dockerd's arguments: its socket (fd 3 from PID 1, or a path), job-local paths,
+/// explicit cgroupfs driver (dockerd would pick systemd on v2 if /run/systemd/system
+/// exists), the storage driver, the operator's mirrors, no TCP listener.
 pub fn args(config: &DockerdConfig) -> Vec<OsString> {
+    let host = match &config.listen {
+        Listen::Activated => OsString::from("--host=fd://"),
+        Listen::Socket(path) => arg_path("--host=unix://", path),
+    };
     let mut args: Vec<OsString> = vec![
-        "--host=fd://".into(),
+        host,
         arg_path("--data-root=", &config.data_root),
         arg_path("--exec-root=", &config.exec_root),
         arg_path("--pidfile=", &config.pidfile),
         "--exec-opt=native.cgroupdriver=cgroupfs".into(),
-        "--storage-driver=overlay2".into(),
+        format!("--storage-driver={}", config.storage_driver).into(),
         format!("--shutdown-timeout={}", config.shutdown_timeout.as_secs().max(1)).into(),
     ];
+    args.extend(config.registry_mirrors.iter().map(|mirror| OsString::from(format!("--registry-mirror={mirror}"))));
     match config.bridge {
         Bridge::Default => {
             // Only the default bridge: `--default-network-opt` (per-job networks) needs
@@ -111,6 +129,16 @@ fn arg_path(flag: &str, path: &Path) -> OsString {
     let mut arg = OsString::from(flag);
     arg.push(path.as_os_str());
     arg
+}
+
+/// The storage driver for a data root at `path`: overlay2, except on overlayfs (a
+/// container's writable layer without a volume), which a user namespace's overlay
+/// cannot stack on: there vfs, slow but working.
+pub fn storage_driver_for(path: &Path) -> &'static str {
+    match nix::sys::statfs::statfs(path) {
+        Ok(fs) if fs.filesystem_type() == nix::sys::statfs::OVERLAYFS_SUPER_MAGIC => "vfs",
+        _ => "overlay2",
+    }
 }
 
 /// The MTU of the environment's uplink, for dockerd's bridges: CI pods on overlay
@@ -177,6 +205,9 @@ mod tests {
     fn config(bridge: Bridge, mtu: Option<u32>) -> DockerdConfig {
         DockerdConfig {
             dockerd: "dockerd".into(),
+            listen: Listen::Activated,
+            storage_driver: "overlay2",
+            registry_mirrors: Vec::new(),
             data_root: "/var/lib/docker".into(),
             exec_root: "/var/run/docker".into(),
             pidfile: "/var/run/docker.pid".into(),
@@ -203,6 +234,21 @@ mod tests {
                 "--storage-driver=overlay2",
                 "--shutdown-timeout=10",
             ]
+        );
+    }
+
+    #[test]
+    fn rootless_socket_and_mirrors() {
+        let mut rootless = config(Bridge::Default, None);
+        rootless.listen = Listen::Socket("/run/user/2000/docker.sock".into());
+        rootless.storage_driver = "vfs";
+        rootless.registry_mirrors = vec!["http://10.0.0.1:5000".into(), "https://mirror.example".into()];
+        let args = strings(args(&rootless));
+        assert_eq!(args[0], "--host=unix:///run/user/2000/docker.sock");
+        assert!(args.contains(&"--storage-driver=vfs".to_owned()));
+        assert_eq!(
+            args.iter().filter(|a| a.starts_with("--registry-mirror=")).collect::<Vec<_>>(),
+            ["--registry-mirror=http://10.0.0.1:5000", "--registry-mirror=https://mirror.example"]
         );
     }
 

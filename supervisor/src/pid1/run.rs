@@ -33,7 +33,7 @@ use super::{
     storage::{self, Prepared, StorageConfig},
 };
 use crate::{
-    agent::{self, AgentConfig, FacadeSettings, IdentitySettings, docker_report::DockerReport},
+    agent::{self, AgentConfig, DockerProxy, FacadeSettings, IdentitySettings, docker_report::DockerReport},
     exit::{self, ChildStatus},
 };
 
@@ -85,7 +85,8 @@ impl Supervisor {
             drain_timeout = ?self.settings.drain_timeout,
             "supervisor starting; the drain needs a termination grace period longer than the drain timeout"
         );
-        if self.settings.docker {
+        // A rootless dockerd gets no cgroup of its own to manage.
+        if self.settings.docker && !self.settings.docker_rootless {
             self.nest_cgroups();
         }
         let agent_dir = self.settings.state_dir.join("agent");
@@ -95,16 +96,18 @@ impl Supervisor {
         }
         // dockerd's socket before anything of the job runs: a `docker` call then waits
         // for dockerd instead of failing, so no step waits for it (pid1::dockerd).
-        let socket = self.settings.docker.then(|| {
+        let socket = (self.settings.docker && !self.settings.docker_rootless).then(|| {
             let path = &self.settings.docker_socket;
             dockerd::bind_socket(path, self.settings.user.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()))
         });
+        // A rootless dockerd's directories before the agent, which serves its socket there.
+        let rootless_dirs = self.settings.docker_rootless.then(|| self.prepare_rootless_dirs());
         let report = match self.start_agent(&agent_dir) {
             Ok(report) => report,
             Err(code) => return code,
         };
         if let Some(report) = report {
-            self.start_docker_and_report(fs::File::from(report), socket, started);
+            self.start_docker_and_report(fs::File::from(report), socket, rootless_dirs, started);
         }
         self.supervise();
         self.drain();
@@ -115,17 +118,25 @@ impl Supervisor {
 
     /// dockerd behind `socket` (when there is one), each step reported to the agent on
     /// `pipe`. The agent may already be gone; that is handled by the event loop.
-    fn start_docker_and_report(&mut self, mut pipe: fs::File, socket: Option<Result<UnixListener, String>>, started: Instant) {
+    fn start_docker_and_report(
+        &mut self,
+        mut pipe: fs::File,
+        socket: Option<Result<UnixListener, String>>,
+        rootless_dirs: Option<Result<PathBuf, String>>,
+        started: Instant,
+    ) {
         let mut report = |report: DockerReport| {
             let _ = pipe.write_all(report.to_line().as_bytes());
         };
         if let Some(Ok(_)) = &socket {
             report(DockerReport::Listening(format!("{} takes connections; dockerd starts behind it", self.settings.docker_socket.display())));
         }
-        let outcome = match socket {
-            Some(Ok(listener)) => self.start_docker(listener),
-            Some(Err(reason)) => DockerStart::Failed(reason),
-            None => DockerStart::Failed("dockerd is off".to_owned()),
+        let outcome = match (socket, rootless_dirs) {
+            (_, Some(Ok(runtime_dir))) => self.start_rootless_docker(&runtime_dir),
+            (_, Some(Err(reason))) => DockerStart::Failed(reason),
+            (Some(Ok(listener)), None) => self.start_docker(listener),
+            (Some(Err(reason)), None) => DockerStart::Failed(reason),
+            (None, None) => DockerStart::Failed("dockerd is off".to_owned()),
         };
         match &outcome {
             DockerStart::Ready(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),
@@ -176,6 +187,11 @@ impl Supervisor {
             }),
             docker: settings.docker,
             docker_host: settings.docker.then(|| format!("unix://{}", settings.docker_socket.display())),
+            docker_proxy: settings.docker_rootless.then(|| DockerProxy {
+                listen: settings.docker_socket.clone(),
+                upstream: rootless_socket(settings),
+                patience_ms: u64::try_from(settings.docker_ready_timeout.as_millis()).unwrap_or(u64::MAX),
+            }),
             socket: agent_dir.join("agent.sock"),
             command: settings.command.clone(),
             facade: settings.facade_url.clone().map(|url| FacadeSettings {
@@ -244,7 +260,7 @@ impl Supervisor {
             return DockerStart::Interrupted;
         }
         match self.spawn_dockerd(listener) {
-            Ok(started) => self.wait_for_ping(started),
+            Ok(started) => self.wait_for_ping(&self.settings.docker_socket.clone(), started),
             Err(reason) => DockerStart::Failed(reason),
         }
     }
@@ -274,9 +290,11 @@ impl Supervisor {
         for stale in [&self.settings.docker_pidfile, &self.settings.docker_exec_root.join("containerd/containerd.pid")] {
             let _ = fs::remove_file(stale);
         }
-        let log = open_log(&self.settings.dockerd_log).map_err(|error| format!("cannot open {}: {error}", self.settings.dockerd_log.display()))?;
         let config = DockerdConfig {
             dockerd: self.settings.dockerd.clone(),
+            listen: dockerd::Listen::Activated,
+            storage_driver: "overlay2",
+            registry_mirrors: self.settings.registry_mirrors.clone(),
             data_root: self.settings.docker_data_root.clone(),
             exec_root: self.settings.docker_exec_root.clone(),
             pidfile: self.settings.docker_pidfile.clone(),
@@ -286,9 +304,71 @@ impl Supervisor {
         };
         let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
         let mut command = Command::new(exe);
-        command.arg("activate").arg(&config.dockerd).args(dockerd::args(&config)).stdin(Stdio::null());
+        command.arg("activate").arg(&config.dockerd).args(dockerd::args(&config));
         spawn::pass_fd(&mut command, listener.as_raw_fd(), dockerd::LISTEN_FD);
-        // dockerd needs none of the environment contract (its capability least of all).
+        spawn::prepare(&mut command, None);
+        let started = self.launch_dockerd(command, &config.dockerd);
+        drop(listener);
+        started
+    }
+
+    /// A rootless dockerd: its directories made for the runner uid, then Docker's
+    /// `dockerd-rootless.sh` as that uid (rootlesskit gives it a user, mount and network
+    /// namespace of its own), until `/_ping` answers on the socket it binds.
+    fn start_rootless_docker(&mut self, runtime_dir: &std::path::Path) -> DockerStart {
+        let socket = rootless_socket(&self.settings);
+        let config = DockerdConfig {
+            dockerd: self.settings.rootless_dockerd.clone(),
+            listen: dockerd::Listen::Socket(socket.clone()),
+            storage_driver: dockerd::storage_driver_for(&self.settings.docker_data_root),
+            registry_mirrors: self.settings.registry_mirrors.clone(),
+            data_root: self.settings.docker_data_root.clone(),
+            exec_root: runtime_dir.join("docker"),
+            pidfile: runtime_dir.join("docker.pid"),
+            bridge: self.settings.docker_bridge,
+            shutdown_timeout: self.dockerd_shutdown_timeout(),
+            // slirp4netns sets the uplink's MTU inside rootlesskit's namespace.
+            mtu: None,
+        };
+        let mut command = Command::new(&config.dockerd);
+        command.args(dockerd::args(&config)).env("XDG_RUNTIME_DIR", runtime_dir).env("HOME", &self.settings.user.home).env("USER", "runner");
+        spawn::prepare(&mut command, Some(self.settings.user.credentials()));
+        match self.launch_dockerd(command, &config.dockerd) {
+            Ok(started) => self.wait_for_ping(&socket, started),
+            Err(reason) => DockerStart::Failed(reason),
+        }
+    }
+
+    /// The rootless dockerd's runtime directory (its sockets', 0700), data root and
+    /// `/var/run/docker.sock` as a link to the socket the agent serves, for jobs that name
+    /// that path.
+    fn prepare_rootless_dirs(&self) -> Result<PathBuf, String> {
+        let settings = &self.settings;
+        let socket = &settings.docker_socket;
+        let runtime_dir = socket.parent().map(PathBuf::from).ok_or_else(|| format!("{} has no directory", socket.display()))?;
+        let owner = (Some(nix::unistd::Uid::from_raw(settings.user.uid)), Some(nix::unistd::Gid::from_raw(settings.user.gid)));
+        for (dir, mode) in [(&runtime_dir, 0o700), (&settings.docker_data_root, 0o710)] {
+            fs::create_dir_all(dir)
+                .and_then(|()| nix::unistd::chown(dir.as_path(), owner.0, owner.1).map_err(std::io::Error::from))
+                .and_then(|()| fs::set_permissions(dir, fs::Permissions::from_mode(mode)))
+                .map_err(|error| format!("cannot prepare {} for the rootless dockerd: {error}", dir.display()))?;
+        }
+        let _ = fs::remove_file(rootless_socket(settings));
+        let well_known = std::path::Path::new("/var/run/docker.sock");
+        if socket != well_known {
+            let _ = fs::remove_file(well_known);
+            if let Err(error) = std::os::unix::fs::symlink(socket, well_known) {
+                tracing::warn!(%error, "cannot link /var/run/docker.sock to the rootless dockerd's socket");
+            }
+        }
+        Ok(runtime_dir)
+    }
+
+    /// Starts `command` (some dockerd) with its output in the dockerd log and none of the
+    /// environment contract (its capability least of all); when it started.
+    fn launch_dockerd(&mut self, mut command: Command, program: &std::path::Path) -> Result<Instant, String> {
+        let log = open_log(&self.settings.dockerd_log).map_err(|error| format!("cannot open {}: {error}", self.settings.dockerd_log.display()))?;
+        command.stdin(Stdio::null());
         for name in contract::environment::ALL {
             command.env_remove(name);
         }
@@ -296,25 +376,23 @@ impl Supervisor {
             Ok(err) => command.stdout(log).stderr(err),
             Err(_) => command.stdout(Stdio::null()).stderr(Stdio::null()),
         };
-        spawn::prepare(&mut command, None);
         let started = Instant::now();
-        let pid = self.pid1.spawn(&mut command).map_err(|error| format!("cannot start {}: {error}", config.dockerd.display()))?;
-        drop(listener);
+        let pid = self.pid1.spawn(&mut command).map_err(|error| format!("cannot start {}: {error}", program.display()))?;
         self.dockerd = Some(pid);
-        tracing::info!(%pid, "dockerd started");
+        tracing::info!(%pid, program = %program.display(), "dockerd started");
         Ok(started)
     }
 
     /// Pings dockerd until it answers, handling PID 1's events meanwhile, within the
     /// ready timeout counted from `dockerd_started`.
-    fn wait_for_ping(&mut self, dockerd_started: Instant) -> DockerStart {
+    fn wait_for_ping(&mut self, socket: &std::path::Path, dockerd_started: Instant) -> DockerStart {
         let deadline = dockerd_started + self.settings.docker_ready_timeout;
         loop {
-            match dockerd::ping(&self.settings.docker_socket, Duration::from_secs(2)) {
+            match dockerd::ping(socket, Duration::from_secs(2)) {
                 Ok(_) => {
                     return DockerStart::Ready(format!(
                         "{} answered /_ping {} ms after dockerd started",
-                        self.settings.docker_socket.display(),
+                        socket.display(),
                         dockerd_started.elapsed().as_millis()
                     ));
                 }
@@ -435,6 +513,11 @@ impl Supervisor {
     fn dockerd_shutdown_timeout(&self) -> Duration {
         (self.settings.drain_timeout / 2).saturating_sub(Duration::from_secs(2)).max(Duration::from_secs(1))
     }
+}
+
+/// The socket a rootless dockerd binds itself, beside the one the agent serves.
+fn rootless_socket(settings: &Settings) -> PathBuf {
+    settings.docker_socket.with_file_name("dockerd.sock")
 }
 
 fn open_log(path: &std::path::Path) -> std::io::Result<fs::File> {

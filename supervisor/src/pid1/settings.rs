@@ -38,6 +38,11 @@ pub struct Settings {
 
     /// Whether to start a job-local dockerd (and its storage).
     pub docker: bool,
+    /// Whether that dockerd runs rootless (as the runner uid, through `rootless_dockerd`)
+    /// rather than as root on loop-backed storage.
+    pub docker_rootless: bool,
+    pub rootless_dockerd: PathBuf,
+    pub registry_mirrors: Vec<String>,
     pub docker_data_root: PathBuf,
     pub docker_socket: PathBuf,
     pub dockerd_log: PathBuf,

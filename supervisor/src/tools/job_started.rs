@@ -8,6 +8,10 @@ use std::{path::Path, time::Duration};
 
 use crate::{agent::ready, exit};
 
+/// The file name under which the runner's config names the hook: the supervisor runs as
+/// `supervisor job-started` when started under it.
+pub const HOOK_NAME: &str = "job-started";
+
 /// Asks the agent at `socket` for up to `timeout`; 0 once the environment is ready.
 pub fn run(socket: &Path, timeout: Duration) -> u8 {
     match ready::wait(socket, timeout) {

@@ -275,7 +275,8 @@ fn print_rows(rows: &BTreeMap<&str, Vec<i64>>) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let runs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
-    // GDR_BENCH_PLACEMENTS=docker,vm,kubernetes (default: all three); the plain runner always.
+    // GDR_BENCH_PLACEMENTS=docker,docker-rootless,docker-default,vm,kubernetes (default: all);
+    // the plain runner always.
     let chosen = std::env::var("GDR_BENCH_PLACEMENTS").ok();
     let wants = |placement: &str| chosen.as_deref().is_none_or(|list| list.split(',').any(|p| p.trim() == placement));
     let docker = host();
@@ -304,6 +305,21 @@ async fn main() {
     } else {
         BTreeMap::new()
     };
+    // The docker placement's other two modes, one after the other on the same host: a
+    // rootless job dockerd, and no Docker at all (the default).
+    let mut rootless_rows = BTreeMap::new();
+    if wants("docker-rootless") {
+        let mut rootless = options.clone();
+        rootless.job_dockerd = false;
+        rootless.docker_extra = "rootless_dockerd = true".into();
+        rootless_rows = measure(&gitea, rootless, "bench-rootless", "disposable, container, docker", runs, Watch::Docker, webhook.as_ref()).await;
+    }
+    let mut no_docker_rows = BTreeMap::new();
+    if wants("docker-default") {
+        let mut no_docker = options.clone();
+        no_docker.job_dockerd = false;
+        no_docker_rows = measure(&gitea, no_docker, "bench-no-docker", "disposable, container, docker", runs, Watch::Docker, webhook.as_ref()).await;
+    }
 
     // vm.opensandbox: the real opensandbox-server (Docker runtime) on the same host; the
     // sandbox is unprivileged there, so without the job-local dockerd.
@@ -376,6 +392,14 @@ async fn main() {
     );
     println!("gitea-dynamic-runner (container.docker, gitea-runner v3.3.0 in the image, dockerd on loop-backed ext4):");
     print_rows(&rows);
+    println!("gitea-dynamic-runner (container.docker, rootless_dockerd = true: dockerd-rootless.sh as uid 2000, overlay2 on a volume):");
+    print_rows(&rootless_rows);
+    println!("gitea-dynamic-runner (container.docker, the default: no Docker in the job):");
+    print_rows(&no_docker_rows);
+    if let (Some(root), Some(rootless)) = (rows.get("= FetchTask reply → first step"), rootless_rows.get("= FetchTask reply → first step")) {
+        let (root, rootless) = (median(root.clone()), median(rootless.clone()));
+        println!("FetchTask reply → first step, rootless − job_dockerd: {} ms (median − median)", rootless - root);
+    }
     println!("gitea-dynamic-runner (vm.opensandbox via opensandbox-server 1.1.1, Docker runtime, no job-local dockerd):");
     print_rows(&vm_rows);
     println!("gitea-dynamic-runner (container.kubernetes, Kubernetes v1.34.12 single node, containerd + runc, privileged Pod, dockerd on loop-backed ext4;");
@@ -389,7 +413,13 @@ async fn main() {
     // starts in its own environment.
     let plain = median(plain_rows["commit → first step"].clone());
     println!("ratio to the plain runner, commit → first step (median / median):");
-    for (placement, measured) in [("container.docker", &rows), ("vm.opensandbox", &vm_rows), ("container.kubernetes", &pod_rows)] {
+    for (placement, measured) in [
+        ("container.docker", &rows),
+        ("docker, rootless", &rootless_rows),
+        ("docker, no Docker", &no_docker_rows),
+        ("vm.opensandbox", &vm_rows),
+        ("container.kubernetes", &pod_rows),
+    ] {
         if let Some(values) = measured.get("= commit → first step") {
             #[allow(clippy::cast_precision_loss)] // milliseconds of a few seconds
             let ratio = median(values.clone()) as f64 / plain as f64;

@@ -23,6 +23,7 @@ pub mod gitea;
 pub mod nats;
 pub mod opensandbox;
 pub mod process;
+pub mod registry;
 pub mod s3;
 pub mod spire;
 pub mod wait;

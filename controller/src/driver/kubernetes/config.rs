@@ -32,6 +32,9 @@ pub struct KubernetesConfig {
     /// level).
     #[serde(default)]
     pub job_dockerd: bool,
+    /// Registry mirrors the job's dockerd pulls Docker Hub images through (`job_dockerd`).
+    #[serde(default)]
+    pub registry_mirrors: Vec<String>,
     /// `privileged: true` (with `job_dockerd`); when false, `capabilities` apply instead.
     #[serde(default = "default_true")]
     pub privileged: bool,
@@ -160,6 +163,7 @@ impl KubernetesConfig {
     }
 
     pub fn validate(&self, problems: &mut Problems) {
+        crate::driver::check_registry_mirrors("kubernetes.registry_mirrors", &self.registry_mirrors, problems);
         let mut invalid = |setting: &str, message: String| problems.add(format!("kubernetes.{setting}"), message);
         if !is_dns_label(&self.namespace) {
             invalid("namespace", format!("{:?} is not a namespace name (lower-case letters, digits and '-', at most 63)", self.namespace));

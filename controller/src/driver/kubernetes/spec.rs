@@ -79,6 +79,8 @@ impl KubernetesDriver {
         let mut env: Vec<EnvVar> = self.config.env.iter().map(variable).collect();
         if !self.config.job_dockerd {
             env.push(EnvVar { name: "SUPERVISOR_DOCKER".into(), value: Some("false".into()), ..Default::default() });
+        } else if !self.config.registry_mirrors.is_empty() {
+            env.push(EnvVar { name: "SUPERVISOR_REGISTRY_MIRRORS".into(), value: Some(self.config.registry_mirrors.join(",")), ..Default::default() });
         }
         env.extend(spec.env.iter().map(variable));
         env

@@ -14,7 +14,7 @@ pub fn all(settings: &Settings) -> Vec<Outcome> {
         identity_socket,
         svid(settings, socket_ok),
         cgroups(&settings.cgroup_root),
-        loop_devices(&settings.loop_control),
+        if settings.docker_rootless { rootless(settings) } else { loop_devices(&settings.loop_control) },
         storage(settings),
         dockerd(settings),
         facade(settings),
@@ -161,6 +161,37 @@ fn cgroups(root: &Path) -> Outcome {
     }
 }
 
+/// What a rootless dockerd needs from its environment: the tun device slirp4netns
+/// opens, subordinate ids for the runner, and newuidmap/newgidmap able to map them.
+fn rootless(settings: &Settings) -> Outcome {
+    const ID: &str = "rootless";
+    let tun = Path::new("/dev/net/tun");
+    if let Err(error) = std::fs::OpenOptions::new().read(true).write(true).open(tun) {
+        return Outcome::fail(
+            ID,
+            format!("{} cannot be opened: {error}", tun.display()),
+            "the environment needs the host's /dev/net/tun (the docker driver passes it; the host's node must be mode 0666, as udev makes it)",
+        );
+    }
+    let user = "runner";
+    for file in ["/etc/subuid", "/etc/subgid"] {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        if !text.lines().any(|line| line.split(':').next() == Some(user) || line.split(':').next() == Some(&settings.runner_user.uid.to_string())) {
+            return Outcome::fail(
+                ID,
+                format!("{file} has no range for {user}"),
+                "the runner image gives the runner 100000:65536 in /etc/subuid and /etc/subgid",
+            );
+        }
+    }
+    for tool in ["/usr/bin/newuidmap", "/usr/bin/newgidmap"] {
+        if !Path::new(tool).exists() {
+            return Outcome::fail(ID, format!("{tool} is missing"), "install the uidmap package in the runner image");
+        }
+    }
+    Outcome::pass(ID, "/dev/net/tun opens; the runner has subordinate uids and gids; newuidmap and newgidmap are there")
+}
+
 fn loop_devices(loop_control: &Path) -> Outcome {
     const ID: &str = "loop-devices";
     match std::fs::metadata(loop_control) {
@@ -187,6 +218,19 @@ fn storage(settings: &Settings) -> Outcome {
     const ID: &str = "storage";
     if !settings.docker {
         return Outcome::skip(ID, "Docker is off (SUPERVISOR_DOCKER=false)");
+    }
+    if settings.docker_rootless {
+        return match pid1::dockerd::storage_driver_for(&settings.docker_data_root) {
+            "overlay2" => Outcome::pass(ID, format!("{} can hold overlay2 in a user namespace", settings.docker_data_root.display())),
+            driver => Outcome::fail(
+                ID,
+                format!(
+                    "{} is on the container's overlay: the rootless dockerd falls back to {driver}, which copies every layer",
+                    settings.docker_data_root.display()
+                ),
+                "give the environment a volume there (the docker driver makes an anonymous one, the Pod driver an emptyDir)",
+            ),
+        };
     }
     match pid1::storage::is_mountpoint(&settings.docker_data_root) {
         Ok(Some(fstype)) if matches!(fstype.as_str(), "ext4" | "xfs" | "btrfs") => {

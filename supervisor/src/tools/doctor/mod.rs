@@ -23,6 +23,8 @@ pub struct Settings {
     pub spiffe_endpoint: Option<String>,
     pub spiffe_id: Option<String>,
     pub docker: bool,
+    /// The job's dockerd is rootless: no loop storage to check.
+    pub docker_rootless: bool,
     pub docker_data_root: PathBuf,
     pub docker_socket: PathBuf,
     pub dockerd_log: PathBuf,

@@ -123,10 +123,16 @@ if [ "$JOB_DOCKERD" = true ] && docker info >/dev/null 2>&1; then
     mkdir -p ".$(dirname "$b")" && cp -L "$b" ".$b"
     for l in $(ldd "$b" 2>/dev/null | grep -o '/[^ ]*'); do mkdir -p ".$(dirname "$l")" && cp -L "$l" ".$l"; done
   done
-  tar -c . | docker import - tiny:1 >/dev/null && root=yes
+  tar -c . | docker import - tiny:1 >/dev/null
   as_root /bin/sh -c true 2>/dev/null || devices='b 7:* rmw'
+  # Root only where such a container runs: a rootless dockerd refuses it.
+  as_root /bin/sh -c true 2>/tmp/as-root.err && root=yes
   cd - >/dev/null
 fi
+no_root() { # why there is no root to escape with
+  if [ -s /tmp/as-root.err ]; then echo "its own Docker refused a container with every capability, --pid=host, / and /dev: $(tr '\n' ' ' < /tmp/as-root.err | head -c 160)"
+  else echo "no root to escape with"; fi
+}
 
 # The host's disk, as root: the filesystem the runtime's /etc/hosts comes from is the
 # host's (its device number is in mountinfo); mounted again, it is the same filesystem.
@@ -148,7 +154,7 @@ file_verdict() { # NAME PATH NEEDLE
   out=$(host_read "$2")
   if printf '%s' "$out" | grep -q "$3"; then verdict "$1" reach "read $2 from the host's disk, mounted as root in the environment"
   elif [ -n "$root" ]; then verdict "$1" unshown "root in the environment with every capability, but the host's disk did not mount: $(printf "%s" "$out" | tr "\n" " " | head -c 200)"
-  else verdict "$1" refused "not in the environment; no root to escape with"; fi
+  else verdict "$1" refused "not in the environment; $(no_root)"; fi
 }
 
 # 1. Its own capability.
@@ -192,7 +198,7 @@ LOOPS
 else
   mine=$(ls /run/gitea-dynamic-runner 2>/dev/null | tr '\n' ' ')
   loops=$(ls /dev/loop* 2>/dev/null | wc -l)
-  verdict other-environments refused "its facade directory holds only: $mine; $loops loop devices"
+  verdict other-environments refused "its facade directory holds only: $mine; $loops loop devices; $(no_root)"
 fi
 
 # 9. Another job's SVID from the SPIRE agent the environment is given (supervisor doctor
@@ -215,7 +221,7 @@ if printf '%s' "$marker" | grep -q "^$HOST_MARKER_VALUE"; then
 elif [ -n "$root" ]; then
   verdict host unshown "root in the environment with every capability and no seccomp/AppArmor, but the host's disk did not mount"
 else
-  verdict host refused "uid $(id -u), no-new-privileges: $(grep NoNewPrivs /proc/self/status | tr -s '\t' ' '), no Docker of its own: $(docker info >/dev/null 2>&1 && echo no || echo yes)"
+  verdict host refused "uid $(id -u), $(grep NoNewPrivs /proc/self/status | tr -s '\t' ' '), setuid files: $(find / -xdev -type f -perm /6000 2>/dev/null | wc -l); $(no_root)"
 fi
 
 # 11. A user namespace of its own: the kernel surface rootless Docker needs.
@@ -313,10 +319,21 @@ impl Placement {
     }
 }
 
+/// Which Docker a job has of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobDocker {
+    /// None (the default).
+    Off,
+    /// A rootless dockerd (`docker.rootless_dockerd`).
+    Rootless,
+    /// A root dockerd (`job_dockerd`).
+    Root,
+}
+
 /// Runs the victims and the attacker in one mode — on Kubernetes with `spire`, a real SPIRE
 /// server and agent (k8s workload attestor), an entry per Pod and the facade on mTLS;
 /// returns attempt → (verdict, detail).
-async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMap<String, (String, String)> {
+async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTreeMap<String, (String, String)> {
     let _turn = e2e::exclusive().await;
     let docker = host();
     let (gateway, namespace) = match placement {
@@ -361,7 +378,11 @@ async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMa
         _ => String::new(),
     };
     options.capacity = 3;
-    options.job_dockerd = job_dockerd;
+    options.job_dockerd = job_docker == JobDocker::Root;
+    if job_docker == JobDocker::Rootless {
+        assert_eq!(placement, Placement::Docker, "rootless_dockerd is a setting of the docker placement");
+        options.docker_extra = "rootless_dockerd = true".into();
+    }
     let http_port = testkit::free_local_port();
     options.http_listen = format!("127.0.0.1:{http_port}");
     let mut controller = Controller::start(options).await;
@@ -424,7 +445,7 @@ async fn attack(placement: Placement, job_dockerd: bool, spire: bool) -> BTreeMa
         spiffe_socket,
         victim_spiffe_id,
         http_port,
-        job_dockerd,
+        job_dockerd: job_docker != JobDocker::Off,
         marker,
         marker_value,
     };
@@ -527,8 +548,18 @@ fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&s
 /// task and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_docker_mode_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Docker, false, false).await;
+    let verdicts = attack(Placement::Docker, JobDocker::Off, false).await;
     expect("docker (default)", &verdicts, &[]);
+}
+
+/// A rootless dockerd of its own: the step runs any container it likes in its own user
+/// namespaces — which is the kernel surface it is given — but a container with every
+/// capability, the host's pid namespace, / and /dev does not start, and nothing of the
+/// host, the controller or another job is reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rootless_dockerd_holds_against_a_hostile_job() {
+    let verdicts = attack(Placement::Docker, JobDocker::Rootless, false).await;
+    expect("docker, rootless_dockerd = true", &verdicts, &["user-namespace"]);
 }
 
 /// With a job-local dockerd, a job step is root on the host: it mounts the host's disk
@@ -536,7 +567,7 @@ async fn the_default_docker_mode_holds_against_a_hostile_job() {
 /// bindings still hold (another task stays refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_local_dockerd_gives_a_hostile_job_the_host() {
-    let verdicts = attack(Placement::Docker, true, false).await;
+    let verdicts = attack(Placement::Docker, JobDocker::Root, false).await;
     expect(
         "docker, job_dockerd = true",
         &verdicts,
@@ -549,7 +580,7 @@ async fn a_job_local_dockerd_gives_a_hostile_job_the_host() {
 /// claimed): a job reaches its own task and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_kubernetes_mode_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Kubernetes, false, false).await;
+    let verdicts = attack(Placement::Kubernetes, JobDocker::Off, false).await;
     expect("kubernetes (default), development-mode TCP facade", &verdicts, &[]);
 }
 
@@ -558,7 +589,7 @@ async fn the_default_kubernetes_mode_holds_against_a_hostile_job() {
 /// binding still holds: a session of another task is refused from this Pod's address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_privileged_kubernetes_pod_gives_a_hostile_job_its_node() {
-    let verdicts = attack(Placement::Kubernetes, true, false).await;
+    let verdicts = attack(Placement::Kubernetes, JobDocker::Root, false).await;
     expect(
         "kubernetes, job_dockerd = true",
         &verdicts,
@@ -571,7 +602,7 @@ async fn a_privileged_kubernetes_pod_gives_a_hostile_job_its_node() {
 /// Kubernetes mode. (With Kata the sandbox is a VM; not on this machine.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_opensandbox_sandbox_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Sandbox, false, false).await;
+    let verdicts = attack(Placement::Sandbox, JobDocker::Off, false).await;
     expect("vm.opensandbox (Docker runtime), development-mode TCP facade", &verdicts, &[]);
 }
 
@@ -580,6 +611,6 @@ async fn an_opensandbox_sandbox_holds_against_a_hostile_job() {
 /// victim's SVID and reaches the facade without one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_kubernetes_mode_with_spire_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Kubernetes, false, true).await;
+    let verdicts = attack(Placement::Kubernetes, JobDocker::Off, true).await;
     expect("kubernetes (default), SPIRE and the mTLS facade", &verdicts, &[]);
 }

@@ -347,6 +347,37 @@ async fn no_runner_credential_enters_an_environment() {
     controller.stop().await;
 }
 
+/// In the safe default (no job-local dockerd) a step that calls `docker` is told in one
+/// line that this environment has none by design and what gives one — not the CLI's "Is
+/// the docker daemon running?"; what needs no daemon still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_calling_docker_where_there_is_none_is_told_why() {
+    let turn = e2e::exclusive().await;
+    let docker = host();
+    let image = docker.image("gitea-runner");
+    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
+    let repo = gitea.create_repo("no-docker").await;
+    let token = gitea.runner_registration_token().await;
+    let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
+    options.job_dockerd = false;
+    let mut controller = Controller::start(options).await;
+    let workflow = "name: no-docker\non: push\njobs:\n  build:\n    runs-on: [disposable, container, docker]\n    steps:\n      - run: docker --version\n      - run: docker build -t app .\n";
+    gitea.commit_workflow(&repo, "no-docker.yml", workflow).await;
+    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| finished(t, 1)).await;
+    let log = strip_log_timestamps(&gitea.job_log(&repo, tasks[0].run_number, 0).await);
+    assert_eq!(status_of(&tasks, "build"), "failure", "{log}");
+    in_order(
+        &log,
+        &["Docker version ", "docker: this environment has no Docker", "rootless_dockerd = true", "job_dockerd = true", "runs-on: [disposable, vm]"],
+    );
+    assert!(!log.contains("Is the docker daemon running?"), "{log}");
+    let told = log.lines().find(|l| l.contains("this environment has no Docker")).unwrap_or_default();
+    println!("the step was told: {told}");
+    environments_gone(&controller).await;
+    controller.stop().await;
+    drop(turn);
+}
+
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }

@@ -18,5 +18,6 @@ mod helm;
 mod jobs;
 mod kubernetes;
 mod replicas;
+mod rootless;
 mod run_local;
 mod vm;
