@@ -163,3 +163,35 @@ mod tests {
         assert_eq!(Contract::default().fields().map(|(n, _)| n), ALL);
     }
 }
+
+/// Whether `url` is a registry mirror a job dockerd takes (`--registry-mirror`): an
+/// http(s) URL with a host, no comma (the supervisor's variable lists them with commas)
+/// and no whitespace. The controller checks its settings with it, the supervisor its flag.
+///
+/// # Errors
+/// What is wrong with it, with an example.
+pub fn check_registry_mirror(url: &str) -> Result<(), String> {
+    let host = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://")).map(|rest| rest.trim_end_matches('/'));
+    match host {
+        Some(host) if !host.is_empty() && !host.contains(',') && !host.contains(char::is_whitespace) => Ok(()),
+        _ => Err(format!("{url:?} is not an http(s) URL of a registry, e.g. \"https://mirror.example.org\"")),
+    }
+}
+
+#[cfg(test)]
+mod registry_mirror_tests {
+    #[test]
+    fn registry_mirrors() {
+        for (url, ok) in [
+            ("https://mirror.example.org", true),
+            ("http://10.0.0.1:5000/", true),
+            ("mirror.example.org", false),
+            ("https://", false),
+            ("https://a.example,https://b.example", false),
+            ("https://a example", false),
+            ("ftp://mirror.example.org", false),
+        ] {
+            assert_eq!(super::check_registry_mirror(url).is_ok(), ok, "{url}");
+        }
+    }
+}

@@ -134,7 +134,7 @@ pub struct RunArgs {
     pub rootless_dockerd: PathBuf,
     /// Registry mirrors for the job's dockerd (comma-separated URLs): every environment
     /// starts with no image, so pulls of Docker Hub images go to the operator's mirror first.
-    #[arg(long = "registry-mirror", env = "SUPERVISOR_REGISTRY_MIRRORS", value_delimiter = ',', value_parser = parse_http_url)]
+    #[arg(long = "registry-mirror", env = "SUPERVISOR_REGISTRY_MIRRORS", value_delimiter = ',', value_parser = parse_registry_mirror)]
     pub registry_mirrors: Vec<String>,
     #[arg(long, env = "SUPERVISOR_DOCKER_EXEC_ROOT", default_value = "/var/run/docker", value_parser = parse_absolute)]
     pub docker_exec_root: PathBuf,
@@ -425,6 +425,10 @@ fn parse_http_url(value: &str) -> Result<String, String> {
     } else {
         Err(format!("{value:?} is not an http(s) URL"))
     }
+}
+
+fn parse_registry_mirror(value: &str) -> Result<String, String> {
+    contract::environment::check_registry_mirror(value).map(|()| value.to_owned())
 }
 
 fn parse_unprivileged_id(value: &str) -> Result<u32, String> {

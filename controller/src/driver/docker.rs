@@ -218,7 +218,7 @@ impl DockerConfig {
                 "choose one job dockerd: rootless_dockerd (no step is root on this host) or job_dockerd (a step is root on this host: trusted code only)",
             );
         }
-        super::check_registry_mirrors("docker.registry_mirrors", &self.registry_mirrors, problems);
+        super::check_registry_mirrors("docker.registry_mirrors", &self.registry_mirrors, self.job_dockerd || self.rootless_dockerd, problems);
         if !self.job_dockerd && (self.privileged || !self.cap_add.is_empty() || !self.device_cgroup_rules.is_empty()) {
             problems.add(
                 "docker.privileged",

@@ -184,21 +184,23 @@ impl DriverError {
 /// stores, as during a migration, are two installations). Task ids are Gitea's, so two
 /// installations on one Docker host (or one Kubernetes namespace) would otherwise name
 /// their environments alike.
-/// What is wrong with `mirrors` (a job dockerd's `--registry-mirror` URLs), for the
-/// setting named `setting`.
-pub fn check_registry_mirrors(setting: &str, mirrors: &[String], problems: &mut crate::setting::Problems) {
-    for mirror in mirrors {
-        let scheme = mirror.split_once("://").map(|(scheme, rest)| (scheme, rest.trim_end_matches('/')));
-        if !matches!(scheme, Some(("http" | "https", host)) if !host.is_empty() && !host.contains(',') && !host.contains(char::is_whitespace)) {
-            problems.add(setting, format!("{mirror:?} is not an http(s) URL of a registry, e.g. \"https://mirror.example.org\""));
-        }
-    }
-}
-
 pub fn instance_of(gitea_url: &str, store: &str) -> String {
     let text = format!("{}\n{store}", gitea_url.trim_end_matches('/'));
     let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
     digest.as_ref()[..4].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What is wrong with `mirrors` (a job dockerd's `--registry-mirror` URLs) for the setting
+/// named `setting`; `job_dockerd` says whether the placement's jobs have a dockerd at all.
+pub fn check_registry_mirrors(setting: &str, mirrors: &[String], job_dockerd: bool, problems: &mut crate::setting::Problems) {
+    for mirror in mirrors {
+        if let Err(message) = contract::environment::check_registry_mirror(mirror) {
+            problems.add(setting, message);
+        }
+    }
+    if !mirrors.is_empty() && !job_dockerd {
+        problems.add(setting, "mirrors are for a job's own dockerd, which this placement's jobs do not have: turn one on, or remove them");
+    }
 }
 
 /// The environment name for an assignment of an installation: DNS-1123-safe, as Pods

@@ -1,15 +1,20 @@
 //! The seccomp profile of a rootless environment: the operator's profile (by default
-//! the one `containers-common` installs, which allows `unshare`, `mount`, `pivot_root`
-//! and `keyctl`) with the few namespace calls a rootless dockerd and its runc make —
-//! `setns`, `sethostname`, `chroot` — allowed without the capabilities the profile ties
-//! them to. Docker decides such conditions by the container's capability list, and the
-//! environment must not hold `SYS_ADMIN` or `SYS_CHROOT`: the kernel still checks each
-//! call against the caller's capabilities in its own user namespace.
+//! the one `containers-common` installs, which allows `unshare`, `mount` and `pivot_root`)
+//! with the few namespace calls a rootless dockerd and its runc make — `setns`,
+//! `sethostname`, `chroot` — allowed without the capabilities the profile ties them to.
+//! Docker decides such conditions by the container's capability list, and the environment
+//! must not hold `SYS_ADMIN` or `SYS_CHROOT`: the kernel still checks each call against
+//! the caller's capabilities in its own user namespace. The kernel keyring, which user
+//! namespaces do not separate (every environment's uid 2000 would share one), answers
+//! ENOSYS, as Docker's own profile has it: runc carries on without a session keyring.
 
 use serde_json::Value;
 
 /// What a rootless dockerd needs beyond the profile's unconditional allowances.
 pub const ROOTLESS_SYSCALLS: [&str; 3] = ["chroot", "sethostname", "setns"];
+/// The keyring's calls, refused with ENOSYS whatever the profile says.
+pub const KEYRING_SYSCALLS: [&str; 3] = ["add_key", "keyctl", "request_key"];
+const ENOSYS: u32 = 38;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
@@ -38,7 +43,8 @@ pub fn read_rootless_profile(path: &str) -> Result<String, SeccompError> {
 }
 
 /// `profile` with [`ROOTLESS_SYSCALLS`] taken out of every rule that depends on
-/// capabilities and allowed by one rule of their own; everything else as it was.
+/// capabilities and allowed by one rule of their own, and [`KEYRING_SYSCALLS`] taken out
+/// of every rule and refused by one of their own; everything else as it was.
 ///
 /// # Errors
 /// When `profile` has no `syscalls` list or no default action.
@@ -53,17 +59,25 @@ pub fn rootless_profile(mut profile: Value) -> Result<Value, String> {
         ["includes", "excludes"].iter().any(|key| rule.pointer(&format!("/{key}/caps")).and_then(Value::as_array).is_some_and(|caps| !caps.is_empty()))
     };
     rules.retain_mut(|rule| {
-        if !conditional(rule) {
-            return true;
-        }
+        let conditional = conditional(rule);
         let Some(names) = rule.get_mut("names").and_then(Value::as_array_mut) else { return true };
-        names.retain(|name| !name.as_str().is_some_and(|name| ROOTLESS_SYSCALLS.contains(&name)));
+        names.retain(|name| {
+            let name = name.as_str().unwrap_or_default();
+            let replaced = KEYRING_SYSCALLS.contains(&name) || (conditional && ROOTLESS_SYSCALLS.contains(&name));
+            !replaced
+        });
         !names.is_empty()
     });
     rules.push(serde_json::json!({
         "names": ROOTLESS_SYSCALLS,
         "action": "SCMP_ACT_ALLOW",
         "comment": "gitea-dynamic-runner: a rootless dockerd's namespace calls, checked by the kernel in its own user namespace",
+    }));
+    rules.push(serde_json::json!({
+        "names": KEYRING_SYSCALLS,
+        "action": "SCMP_ACT_ERRNO",
+        "errnoRet": ENOSYS,
+        "comment": "gitea-dynamic-runner: the kernel keyring is not per user namespace",
     }));
     Ok(profile)
 }
@@ -91,7 +105,7 @@ mod tests {
         let profile = json!({
             "defaultAction": "SCMP_ACT_ERRNO",
             "syscalls": [
-                {"names": ["read", "mount", "unshare"], "action": "SCMP_ACT_ALLOW"},
+                {"names": ["read", "mount", "unshare", "keyctl"], "action": "SCMP_ACT_ALLOW"},
                 {"names": ["bpf", "sethostname", "setns"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
                 {"names": ["bpf", "sethostname", "setns"], "action": "SCMP_ACT_ERRNO", "excludes": {"caps": ["CAP_SYS_ADMIN"]}},
                 {"names": ["chroot"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_CHROOT"]}},
@@ -107,12 +121,14 @@ mod tests {
             // A rule without a capability condition stays as it is.
             ("SCMP_ACT_ALLOW", vec!["setns"]),
             ("SCMP_ACT_ALLOW", vec!["chroot", "sethostname", "setns"]),
+            ("SCMP_ACT_ERRNO", vec!["add_key", "keyctl", "request_key"]),
         ]
         .into_iter()
         .map(|(action, names)| (action.to_owned(), names.into_iter().map(str::to_owned).collect()))
         .collect();
         assert_eq!(names_of(&rootless), want);
         assert_eq!(rootless["defaultAction"], "SCMP_ACT_ERRNO");
+        assert_eq!(rootless["syscalls"].as_array().unwrap().last().unwrap()["errnoRet"], 38);
     }
 
     #[test]

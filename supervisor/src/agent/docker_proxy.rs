@@ -14,8 +14,11 @@ use std::{
 
 use tokio::{
     net::{UnixListener, UnixStream},
+    sync::watch,
     task::JoinSet,
 };
+
+use super::ready::Readiness;
 
 /// How often a waiting connection tries dockerd's socket.
 const RETRY: Duration = Duration::from_millis(10);
@@ -36,15 +39,15 @@ pub fn bind(listen: &Path) -> std::io::Result<UnixListener> {
 }
 
 /// Relays every connection on `listener` to `upstream` once it takes connections, for up
-/// to `patience` from the connection's arrival. Runs until dropped; its connections end
-/// with it.
-pub async fn serve(listener: UnixListener, upstream: PathBuf, patience: Duration) {
+/// to `patience` from the connection's arrival — none once `readiness` says dockerd
+/// failed. Runs until dropped; its connections end with it.
+pub async fn serve(listener: UnixListener, upstream: PathBuf, patience: Duration, readiness: watch::Receiver<Readiness>) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((client, _)) => {
-                    connections.spawn(relay(client, upstream.clone(), patience));
+                    connections.spawn(relay(client, upstream.clone(), patience, readiness.clone()));
                 }
                 Err(error) => {
                     tracing::warn!(%error, "the docker socket's accept failed");
@@ -56,11 +59,13 @@ pub async fn serve(listener: UnixListener, upstream: PathBuf, patience: Duration
     }
 }
 
-async fn relay(mut client: UnixStream, upstream: PathBuf, patience: Duration) {
+async fn relay(mut client: UnixStream, upstream: PathBuf, patience: Duration, readiness: watch::Receiver<Readiness>) {
     let deadline = Instant::now() + patience;
     let mut dockerd = loop {
         match UnixStream::connect(&upstream).await {
             Ok(stream) => break stream,
+            // The caller sees its connection closed; the job-started hook says why.
+            Err(_) if readiness.borrow().docker.is_failed() => return,
             Err(_) if Instant::now() < deadline => tokio::time::sleep(RETRY).await,
             // The caller sees its connection closed; dockerd's failure is reported on its own.
             Err(error) => {
@@ -77,6 +82,11 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
+    use crate::agent::ready::Status;
+
+    fn readiness(docker: Status) -> (watch::Sender<Readiness>, watch::Receiver<Readiness>) {
+        watch::channel(Readiness { identity: Status::Off, docker })
+    }
 
     /// A call made before dockerd's socket exists waits for it and gets dockerd's answer;
     /// one that waits longer than the patience is closed.
@@ -84,7 +94,8 @@ mod tests {
     async fn a_connection_waits_for_dockerd_then_is_relayed() {
         let dir = tempfile::tempdir().unwrap();
         let (public, upstream) = (dir.path().join("docker.sock"), dir.path().join("dockerd.sock"));
-        let proxy = tokio::spawn(serve(bind(&public).unwrap(), upstream.clone(), Duration::from_secs(5)));
+        let (_starting, watched) = readiness(Status::Starting(String::new()));
+        let proxy = tokio::spawn(serve(bind(&public).unwrap(), upstream.clone(), Duration::from_secs(5), watched));
         let mut early = UnixStream::connect(&public).await.unwrap();
         early.write_all(b"GET /_ping HTTP/1.0\r\n\r\n").await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -100,11 +111,14 @@ mod tests {
         assert_eq!(answer, "HTTP/1.0 200 OK\r\n\r\nOK");
         proxy.abort();
 
-        let impatient = tokio::spawn(serve(bind(&public).unwrap(), dir.path().join("never.sock"), Duration::from_millis(100)));
-        let mut late = UnixStream::connect(&public).await.unwrap();
-        let mut nothing = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(5), late.read_to_end(&mut nothing)).await;
-        assert!(matches!(read, Ok(Ok(0))), "the connection was not closed after the patience: {read:?}");
-        impatient.abort();
+        for (status, patience) in [(Status::Starting(String::new()), Duration::from_millis(100)), (Status::Failed("no".into()), Duration::from_secs(3600))] {
+            let (_kept, watched) = readiness(status);
+            let closing = tokio::spawn(serve(bind(&public).unwrap(), dir.path().join("never.sock"), patience, watched));
+            let mut late = UnixStream::connect(&public).await.unwrap();
+            let mut nothing = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(5), late.read_to_end(&mut nothing)).await;
+            assert!(matches!(read, Ok(Ok(0))), "the connection was not closed (patience {patience:?}): {read:?}");
+            closing.abort();
+        }
     }
 }

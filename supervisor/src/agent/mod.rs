@@ -94,7 +94,7 @@ async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
         let listener = docker_proxy::bind(&proxy.listen).map_err(|source| AgentError::DockerSocket { socket: proxy.listen.clone(), source })?;
         let listening = format!("{} takes connections; the rootless dockerd starts behind it", proxy.listen.display());
         state.send_modify(|r| r.docker = Status::Starting(listening));
-        tasks.spawn(docker_proxy::serve(listener, proxy.upstream.clone(), Duration::from_millis(proxy.patience_ms)));
+        tasks.spawn(docker_proxy::serve(listener, proxy.upstream.clone(), Duration::from_millis(proxy.patience_ms), readiness.clone()));
     }
     if config.docker {
         let state = state.clone();

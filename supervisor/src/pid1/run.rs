@@ -171,7 +171,9 @@ impl Supervisor {
     fn prepare_state_dir(&self, agent_dir: &std::path::Path) -> std::io::Result<()> {
         fs::create_dir_all(agent_dir)?;
         nix::unistd::chown(agent_dir, Some(nix::unistd::Uid::from_raw(self.settings.user.uid)), Some(nix::unistd::Gid::from_raw(self.settings.user.gid)))?;
-        fs::set_permissions(agent_dir, fs::Permissions::from_mode(0o700))?;
+        // Others may pass through to the readiness socket (not list): the job-started hook
+        // runs as whichever user a `container:` job's image has, with this directory mounted.
+        fs::set_permissions(agent_dir, fs::Permissions::from_mode(0o711))?;
         // The hook runs as the runner uid and must reach the socket inside.
         fs::set_permissions(&self.settings.state_dir, fs::Permissions::from_mode(0o755))
     }
@@ -354,12 +356,11 @@ impl Supervisor {
                 .map_err(|error| format!("cannot prepare {} for the rootless dockerd: {error}", dir.display()))?;
         }
         let _ = fs::remove_file(rootless_socket(settings));
+        // `supervisor run` refuses a rootless socket in /var/run, so this is another path.
         let well_known = std::path::Path::new("/var/run/docker.sock");
-        if socket != well_known {
-            let _ = fs::remove_file(well_known);
-            if let Err(error) = std::os::unix::fs::symlink(socket, well_known) {
-                tracing::warn!(%error, "cannot link /var/run/docker.sock to the rootless dockerd's socket");
-            }
+        let _ = fs::remove_file(well_known);
+        if let Err(error) = std::os::unix::fs::symlink(socket, well_known) {
+            tracing::warn!(%error, "cannot link /var/run/docker.sock to the rootless dockerd's socket");
         }
         Ok(runtime_dir)
     }

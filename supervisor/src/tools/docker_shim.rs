@@ -33,18 +33,28 @@ pub enum Decision {
     NoDocker,
 }
 
-/// `args` without the program name; `docker_host` as the environment has it.
-pub fn decide(args: &[OsString], docker_host: Option<&OsStr>, default_socket_exists: bool) -> Decision {
+/// `args` without the program name; `docker_host` as the environment has it; whether
+/// `DOCKER_CONTEXT` names a context.
+pub fn decide(args: &[OsString], docker_host: Option<&OsStr>, docker_context: bool, default_socket_exists: bool) -> Decision {
     let first = args.first().and_then(|a| a.to_str());
-    let needs_no_daemon = matches!(first, None | Some("--version" | "-v" | "--help" | "-h" | "help" | "completion"));
-    if needs_no_daemon || docker_host.is_some_and(|host| !host.is_empty()) || default_socket_exists { Decision::Real } else { Decision::NoDocker }
+    // Global flags (`-H`, `--context`, `--version`) may name another Docker; these
+    // commands need none, or a remote one.
+    let needs_no_local_daemon = first.is_none_or(|first| {
+        first.starts_with('-') || matches!(first, "help" | "completion" | "login" | "logout" | "context" | "manifest" | "buildx" | "trust" | "version")
+    });
+    if needs_no_local_daemon || docker_host.is_some_and(|host| !host.is_empty()) || docker_context || default_socket_exists {
+        Decision::Real
+    } else {
+        Decision::NoDocker
+    }
 }
 
 /// Runs as `docker`: execs the real CLI or says why there is none. Returns the exit code
 /// (only when the real CLI did not replace this process).
 pub fn run() -> u8 {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    match decide(&args, std::env::var_os("DOCKER_HOST").as_deref(), Path::new(DEFAULT_SOCKET).exists()) {
+    let context = std::env::var_os("DOCKER_CONTEXT").is_some_and(|c| !c.is_empty());
+    match decide(&args, std::env::var_os("DOCKER_HOST").as_deref(), context, Path::new(DEFAULT_SOCKET).exists()) {
         Decision::Real => {
             let error = Command::new(REAL_CLI).args(&args).exec();
             eprintln!("docker: cannot run {REAL_CLI}: {error}");
@@ -63,20 +73,27 @@ mod tests {
 
     #[test]
     fn a_call_that_needs_a_daemon_is_told_there_is_none_unless_there_is_one() {
-        let table: &[(&[&str], Option<&str>, bool, Decision)] = &[
-            (&["build", "."], None, false, Decision::NoDocker),
-            (&["run", "--rm", "alpine"], Some(""), false, Decision::NoDocker),
-            (&["ps"], Some("unix:///run/gdr/docker.sock"), false, Decision::Real),
-            (&["ps"], Some("tcp://builder:2375"), false, Decision::Real),
-            (&["ps"], None, true, Decision::Real),
-            (&["--version"], None, false, Decision::Real),
-            (&["--help"], None, false, Decision::Real),
-            (&[], None, false, Decision::Real),
-            (&["compose", "up"], None, false, Decision::NoDocker),
+        // Arguments, DOCKER_HOST, DOCKER_CONTEXT set, /var/run/docker.sock there, the decision.
+        type Case<'a> = (&'a [&'a str], Option<&'a str>, bool, bool, Decision);
+        let table: &[Case] = &[
+            (&["build", "."], None, false, false, Decision::NoDocker),
+            (&["run", "--rm", "alpine"], Some(""), false, false, Decision::NoDocker),
+            (&["ps"], Some("unix:///run/gdr/docker.sock"), false, false, Decision::Real),
+            (&["ps"], Some("tcp://builder:2375"), false, false, Decision::Real),
+            (&["ps"], None, false, true, Decision::Real),
+            (&["ps"], None, true, false, Decision::Real),
+            (&["-H", "tcp://builder:2375", "build", "."], None, false, false, Decision::Real),
+            (&["--context", "remote", "ps"], None, false, false, Decision::Real),
+            (&["login", "registry.example.org"], None, false, false, Decision::Real),
+            (&["buildx", "build", "."], None, false, false, Decision::Real),
+            (&["--version"], None, false, false, Decision::Real),
+            (&["--help"], None, false, false, Decision::Real),
+            (&[], None, false, false, Decision::Real),
+            (&["compose", "up"], None, false, false, Decision::NoDocker),
         ];
-        for (args, host, socket, want) in table {
+        for (args, host, context, socket, want) in table {
             let args: Vec<OsString> = args.iter().map(OsString::from).collect();
-            assert_eq!(&decide(&args, host.map(OsStr::new), *socket), want, "{args:?} {host:?} {socket}");
+            assert_eq!(&decide(&args, host.map(OsStr::new), *context, *socket), want, "{args:?} {host:?} {context} {socket}");
         }
     }
 }

@@ -15,7 +15,7 @@ pub struct Registry {
 }
 
 impl Registry {
-    /// Starts the registry and waits (up to 30 s) until it answers `GET /v2/`.
+    /// Starts the registry and waits (up to 30 s) until it takes connections.
     pub fn start() -> Registry {
         let binary = crate::peer("registry");
         let dir = tempfile::Builder::new().prefix("gdr-test-registry-").tempdir().unwrap();

@@ -163,7 +163,7 @@ impl KubernetesConfig {
     }
 
     pub fn validate(&self, problems: &mut Problems) {
-        crate::driver::check_registry_mirrors("kubernetes.registry_mirrors", &self.registry_mirrors, problems);
+        crate::driver::check_registry_mirrors("kubernetes.registry_mirrors", &self.registry_mirrors, self.job_dockerd, problems);
         let mut invalid = |setting: &str, message: String| problems.add(format!("kubernetes.{setting}"), message);
         if !is_dns_label(&self.namespace) {
             invalid("namespace", format!("{:?} is not a namespace name (lower-case letters, digits and '-', at most 63)", self.namespace));

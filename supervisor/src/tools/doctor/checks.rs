@@ -175,7 +175,12 @@ fn rootless(settings: &Settings) -> Outcome {
     }
     let user = "runner";
     for file in ["/etc/subuid", "/etc/subgid"] {
-        let text = std::fs::read_to_string(file).unwrap_or_default();
+        let text = match std::fs::read_to_string(file) {
+            Ok(text) => text,
+            Err(error) => {
+                return Outcome::fail(ID, format!("cannot read {file}: {error}"), "the runner image has /etc/subuid and /etc/subgid, readable by all");
+            }
+        };
         if !text.lines().any(|line| line.split(':').next() == Some(user) || line.split(':').next() == Some(&settings.runner_user.uid.to_string())) {
             return Outcome::fail(
                 ID,
@@ -228,7 +233,7 @@ fn storage(settings: &Settings) -> Outcome {
                     "{} is on the container's overlay: the rootless dockerd falls back to {driver}, which copies every layer",
                     settings.docker_data_root.display()
                 ),
-                "give the environment a volume there (the docker driver makes an anonymous one, the Pod driver an emptyDir)",
+                "give the environment a volume there (the docker driver makes an anonymous one)",
             ),
         };
     }
