@@ -2,7 +2,10 @@
 //! directory of this host, or an S3-compatible bucket (path-style or virtual-hosted,
 //! under an optional prefix) that several controllers share.
 
-use std::{path::Path, sync::Arc};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 use object_store::{ObjectStore, aws::AmazonS3Builder, local::LocalFileSystem, prefix::PrefixStore};
 
@@ -28,11 +31,28 @@ impl std::fmt::Debug for S3 {
     }
 }
 
+/// A storage, opened.
+#[derive(Debug, Clone)]
+pub struct Backend {
+    pub store: Arc<dyn ObjectStore>,
+    /// The directory it is (the free space the cache keeps is measured there); `None`: a
+    /// bucket.
+    pub directory: Option<PathBuf>,
+}
+
+impl Backend {
+    /// The pieces an archive is written in: on a bucket, S3's 5 MiB smallest part and some;
+    /// in a directory small ones, since each upload in flight holds a few.
+    pub fn write_chunk(&self) -> usize {
+        if self.directory.is_some() { 1 << 20 } else { 8 << 20 }
+    }
+}
+
 /// A directory (made, mode 0700, if missing).
 ///
 /// # Errors
 /// When it cannot be made or used.
-pub fn directory(dir: &Path) -> Result<Arc<dyn ObjectStore>, CacheError> {
+pub fn directory(dir: &Path) -> Result<Backend, CacheError> {
     use std::os::unix::fs::DirBuilderExt as _;
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -40,7 +60,7 @@ pub fn directory(dir: &Path) -> Result<Arc<dyn ObjectStore>, CacheError> {
         .create(dir)
         .map_err(|source| CacheError::Open { place: dir.display().to_string(), source: Box::new(source) })?;
     let store = LocalFileSystem::new_with_prefix(dir).map_err(|source| CacheError::Open { place: dir.display().to_string(), source: Box::new(source) })?;
-    Ok(Arc::new(store))
+    Ok(Backend { store: Arc::new(store), directory: Some(dir.to_owned()) })
 }
 
 /// A bucket. TLS is reqwest's rustls with the process's ring provider (installed here
@@ -48,7 +68,7 @@ pub fn directory(dir: &Path) -> Result<Arc<dyn ObjectStore>, CacheError> {
 ///
 /// # Errors
 /// When the settings cannot make a client.
-pub fn s3(settings: &S3) -> Result<Arc<dyn ObjectStore>, CacheError> {
+pub fn s3(settings: &S3) -> Result<Backend, CacheError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut builder = AmazonS3Builder::new()
         .with_bucket_name(&settings.bucket)
@@ -62,5 +82,6 @@ pub fn s3(settings: &S3) -> Result<Arc<dyn ObjectStore>, CacheError> {
     let place = format!("s3 bucket {}", settings.bucket);
     let store = builder.build().map_err(|source| CacheError::Open { place: place.clone(), source: Box::new(source) })?;
     let prefix = settings.prefix.trim_matches('/');
-    Ok(if prefix.is_empty() { Arc::new(store) } else { Arc::new(PrefixStore::new(store, prefix)) })
+    let store: Arc<dyn ObjectStore> = if prefix.is_empty() { Arc::new(store) } else { Arc::new(PrefixStore::new(store, prefix)) };
+    Ok(Backend { store, directory: None })
 }

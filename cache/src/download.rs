@@ -1,23 +1,36 @@
 //! An archive served from its parts, streamed (never whole in memory), with its length
 //! (the toolkit checks the bytes it wrote against `Content-Length`) and single byte
 //! ranges (`Range: bytes=a-b`, `a-`, `-n`), as other clients and resumed downloads ask.
+//!
+//! A download is a task that reads one piece ahead of the client: it holds no thread
+//! while it waits (a client that stops reading costs two pieces of memory, and is cut off
+//! after [`crate::http::IDLE`]), and each read of a directory's file is one short blocking
+//! call on the runtime the cache's I/O runs on.
 
 use bytes::Bytes;
-use futures_util::{StreamExt as _, TryStreamExt as _};
+use futures_util::StreamExt as _;
 use http_body_util::{BodyExt as _, StreamBody};
+use object_store::{GetOptions, GetRange, GetResultPayload, ObjectStore};
 
 use crate::{
-    Cache, CacheError, Response, Scope,
-    http::{empty, message},
+    BoxError, CacheError, CacheMetrics, Response,
+    http::{IDLE, empty},
     store::{Object, part_offset},
 };
 
-pub(crate) async fn serve(cache: &Cache, scope: &Scope, id: &str, head_only: bool, headers: &http::HeaderMap) -> Result<Response, CacheError> {
-    let Ok(id) = id.parse::<u64>() else { return Ok(message(400, format!("{id:?} is not an archive id"))) };
-    let parts = cache.storage().parts(&scope.repository, id).await?;
-    if parts.is_empty() {
-        return Ok(message(404, format!("no archive {id} in the cache of {}", scope.repository)));
-    }
+/// How much of an archive's file is read at once.
+const READ_PIECE: usize = 2 << 20;
+
+/// The answer to a download of the archive made of `parts` (in order), all of it or the
+/// range `headers` ask for; `io` runs the reads.
+pub fn serve(
+    store: std::sync::Arc<dyn ObjectStore>,
+    metrics: std::sync::Arc<CacheMetrics>,
+    io: &tokio::runtime::Handle,
+    parts: Vec<Object>,
+    head_only: bool,
+    headers: &http::HeaderMap,
+) -> Result<Response, CacheError> {
     let total: u64 = parts.iter().map(|part| part.size).sum();
     let requested = headers.get(http::header::RANGE).and_then(|v| v.to_str().ok());
     let range = match requested.map(|value| byte_range(value, total)) {
@@ -31,8 +44,11 @@ pub(crate) async fn serve(cache: &Cache, scope: &Scope, id: &str, head_only: boo
             return Ok(answer);
         }
     };
-    let mut response =
-        if head_only { empty(if requested.is_some() { 206 } else { 200 }) } else { stream(cache, parts, range.clone(), requested.is_some()).await? };
+    let mut response = if head_only {
+        empty(if requested.is_some() { 206 } else { 200 })
+    } else {
+        stream(store, metrics, io, parts, range.clone(), requested.is_some())
+    };
     let headers = response.headers_mut();
     headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/octet-stream"));
     headers.insert(http::header::ACCEPT_RANGES, http::HeaderValue::from_static("bytes"));
@@ -45,8 +61,17 @@ pub(crate) async fn serve(cache: &Cache, scope: &Scope, id: &str, head_only: boo
     Ok(response)
 }
 
+type Piece = Result<Bytes, BoxError>;
+
 /// The bytes `range` of the archive made of `parts`, part after part.
-async fn stream(cache: &Cache, parts: Vec<Object>, range: std::ops::Range<u64>, partial: bool) -> Result<Response, CacheError> {
+fn stream(
+    store: std::sync::Arc<dyn ObjectStore>,
+    metrics: std::sync::Arc<CacheMetrics>,
+    io: &tokio::runtime::Handle,
+    parts: Vec<Object>,
+    range: std::ops::Range<u64>,
+    partial: bool,
+) -> Response {
     let mut pieces = Vec::new();
     for part in parts {
         let Some(start) = part_offset(&part.path) else { continue };
@@ -56,69 +81,72 @@ async fn stream(cache: &Cache, parts: Vec<Object>, range: std::ops::Range<u64>, 
         }
         pieces.push((part.path, range.start.max(start) - start..range.end.min(end) - start));
     }
-    let storage = cache.storage().store().clone();
-    let metrics = cache.metrics().clone();
-    // Each part is opened when the previous one is done, so a download holds one at a time.
-    let body = futures_util::stream::iter(pieces)
-        .then(move |(path, local)| {
-            let storage = storage.clone();
-            async move {
-                let options = object_store::GetOptions { range: Some(object_store::GetRange::Bounded(local.clone())), ..object_store::GetOptions::default() };
-                let result = storage.get_opts(&path, options).await?;
-                Ok::<_, object_store::Error>(match result.payload {
-                    // A file of the directory backend: read in large pieces (object_store's
-                    // own stream reads 8 KiB at a time, a seventh of the disk's speed).
-                    object_store::GetResultPayload::File(file, _) => file_range(file, local),
-                    object_store::GetResultPayload::Stream(stream) => stream,
-                })
-            }
-        })
-        .try_flatten()
-        .map_ok(move |bytes: Bytes| {
-            metrics.bytes_downloaded.inc_by(bytes.len() as u64);
-            http_body::Frame::data(bytes)
-        })
-        .map_err(|error| -> crate::BoxError { Box::new(error) });
-    let mut response = http::Response::new(StreamBody::new(body).boxed_unsync());
-    *response.status_mut() = if partial { http::StatusCode::PARTIAL_CONTENT } else { http::StatusCode::OK };
-    Ok(response)
-}
-
-/// The bytes `range` of `file`, as a stream of pieces of [`READ_PIECE`].
-fn file_range(file: std::fs::File, range: std::ops::Range<u64>) -> futures_util::stream::BoxStream<'static, Result<Bytes, object_store::Error>> {
-    use std::io::{Read as _, Seek as _};
-    let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Bytes, object_store::Error>>(4);
-    tokio::task::spawn_blocking(move || {
-        let mut file = file;
-        let read = |file: &mut std::fs::File, remaining: u64| -> std::io::Result<Bytes> {
-            let mut piece = vec![0u8; usize::try_from(remaining.min(READ_PIECE)).unwrap_or(0)];
-            file.read_exact(&mut piece)?;
-            Ok(Bytes::from(piece))
-        };
-        let mut remaining = range.end - range.start;
-        if let Err(error) = file.seek(std::io::SeekFrom::Start(range.start)) {
-            let _ = sender.blocking_send(Err(object_store::Error::Generic { store: "cache", source: Box::new(error) }));
-            return;
-        }
-        while remaining > 0 {
-            let piece = read(&mut file, remaining).map_err(|error| object_store::Error::Generic { store: "cache", source: Box::new(error) });
-            remaining -= piece.as_ref().map_or(remaining, |piece| piece.len() as u64);
-            if sender.blocking_send(piece).is_err() {
+    // One piece waits for the client while the next is read.
+    let (sender, mut receiver) = tokio::sync::mpsc::channel::<Piece>(1);
+    io.spawn(async move {
+        for (path, local) in pieces {
+            if let Err(error) = send_part(store.as_ref(), &path, local, &sender).await {
+                let _ = tokio::time::timeout(IDLE, sender.send(Err(error))).await;
                 return;
             }
         }
     });
-    receiver_stream(receiver)
+    let body = futures_util::stream::poll_fn(move |cx| receiver.poll_recv(cx)).map(move |piece: Piece| {
+        piece.map(|bytes| {
+            metrics.bytes_downloaded.inc_by(bytes.len() as u64);
+            http_body::Frame::data(bytes)
+        })
+    });
+    let mut response = http::Response::new(StreamBody::new(body).boxed_unsync());
+    *response.status_mut() = if partial { http::StatusCode::PARTIAL_CONTENT } else { http::StatusCode::OK };
+    response
 }
 
-fn receiver_stream(
-    mut receiver: tokio::sync::mpsc::Receiver<Result<Bytes, object_store::Error>>,
-) -> futures_util::stream::BoxStream<'static, Result<Bytes, object_store::Error>> {
-    futures_util::stream::poll_fn(move |cx| receiver.poll_recv(cx)).boxed()
+/// Sends the bytes `local` of the part at `path`; `Ok` also when the client went away.
+async fn send_part(store: &dyn ObjectStore, path: &object_store::path::Path, local: std::ops::Range<u64>, sender: &tokio::sync::mpsc::Sender<Piece>) -> Result<(), BoxError> {
+    let options = GetOptions { range: Some(GetRange::Bounded(local.clone())), ..GetOptions::default() };
+    let result = store.get_opts(path, options).await?;
+    match result.payload {
+        // A file of the directory: read in large pieces (object_store's own stream reads
+        // 8 KiB at a time, a seventh of the disk's speed).
+        GetResultPayload::File(file, _) => {
+            let mut file = Some(file);
+            let mut at = local.start;
+            while at < local.end {
+                let length = usize::try_from((local.end - at).min(READ_PIECE as u64)).unwrap_or(READ_PIECE);
+                let taken = file.take().ok_or("the archive's file was lost")?;
+                let (back, piece) = tokio::task::spawn_blocking(move || read_at(taken, at, length)).await?;
+                file = Some(back);
+                let piece = piece?;
+                at += piece.len() as u64;
+                if !deliver(sender, Ok(piece)).await {
+                    return Ok(());
+                }
+            }
+        }
+        GetResultPayload::Stream(mut stream) => {
+            while let Some(piece) = stream.next().await {
+                if !deliver(sender, piece.map_err(BoxError::from)).await {
+                    return Ok(());
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
-/// How much of an archive's file is read at once.
-const READ_PIECE: u64 = 1 << 20;
+/// `length` bytes of `file` from `at`, and the file back.
+fn read_at(file: std::fs::File, at: u64, length: usize) -> (std::fs::File, std::io::Result<Bytes>) {
+    use std::os::unix::fs::FileExt as _;
+    let mut piece = vec![0u8; length];
+    let read = file.read_exact_at(&mut piece, at).map(|()| Bytes::from(piece));
+    (file, read)
+}
+
+/// Hands `piece` to the client's body; false when it went away or read nothing for [`IDLE`].
+async fn deliver(sender: &tokio::sync::mpsc::Sender<Piece>, piece: Piece) -> bool {
+    matches!(tokio::time::timeout(IDLE, sender.send(piece)).await, Ok(Ok(())))
+}
 
 /// `bytes=a-b`, `bytes=a-` or `bytes=-n` of an archive of `total` bytes → the range;
 /// `None` when it asks for nothing the archive has (several ranges are not served).

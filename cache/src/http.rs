@@ -1,5 +1,9 @@
 //! The HTTP plumbing the two APIs share: the response body type, JSON answers, reading a
-//! bounded JSON request, and streaming a request body into an object of the store.
+//! bounded JSON request, and streaming a request body into an object of the store. A
+//! client that stops sending for [`IDLE`] is cut off: a parked request holds memory the
+//! controller shares with every job.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::UnsyncBoxBody};
@@ -15,9 +19,8 @@ pub type Response = http::Response<ResponseBody>;
 /// The largest JSON request body read (the toolkit's are a few hundred bytes).
 const MAX_JSON: usize = 1 << 20;
 
-/// The pieces an archive part is written to the store in: enough for S3's 5 MiB minimum
-/// part, small enough that a few uploads at once stay within a few tens of MiB.
-const WRITE_CHUNK: usize = 8 << 20;
+/// How long a request body may send nothing before the cache gives up on it.
+pub const IDLE: Duration = Duration::from_secs(30);
 
 pub fn body(bytes: impl Into<Bytes>) -> ResponseBody {
     Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
@@ -45,6 +48,40 @@ pub fn empty(status: u16) -> Response {
     respond(status, None, Bytes::new())
 }
 
+/// `body`, holding `guard` until the body is done or dropped: what a request holds (its
+/// place among a job's requests in progress) lasts as long as its answer is sent.
+pub fn hold<G: Send + Unpin + 'static>(body: ResponseBody, guard: G) -> ResponseBody {
+    Held { body, _guard: guard }.boxed_unsync()
+}
+
+struct Held<G> {
+    body: ResponseBody,
+    _guard: G,
+}
+
+impl<G> http_body::Body for Held<G>
+where
+    G: Unpin,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(context)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// A JSON request body of at most [`MAX_JSON`] bytes.
 ///
 /// # Errors
@@ -55,7 +92,7 @@ where
     B::Error: Into<BoxError>,
     T: for<'de> serde::Deserialize<'de>,
 {
-    let bytes = http_body_util::Limited::new(body, MAX_JSON).collect().await.map_err(|error| format!("cannot read the request: {error}"))?.to_bytes();
+    let bytes = read_bytes(body, MAX_JSON).await?;
     serde_json::from_slice(&bytes).map_err(|error| format!("the request is not the JSON expected: {error}"))
 }
 
@@ -68,11 +105,11 @@ where
     B: http_body::Body<Data = Bytes> + Send,
     B::Error: Into<BoxError>,
 {
-    http_body_util::Limited::new(body, limit)
-        .collect()
-        .await
-        .map(http_body_util::Collected::to_bytes)
-        .map_err(|error| format!("cannot read the request: {error}"))
+    // A small body: all of it within the idle time.
+    match tokio::time::timeout(IDLE, http_body_util::Limited::new(body, limit).collect()).await {
+        Ok(collected) => collected.map(http_body_util::Collected::to_bytes).map_err(|error| format!("cannot read the request: {error}")),
+        Err(_) => Err(format!("the request's body did not arrive within {} s", IDLE.as_secs())),
+    }
 }
 
 /// Why a part could not be written.
@@ -80,22 +117,38 @@ where
 pub enum WriteError {
     /// The client's fault: said to it as a 400.
     Client(String),
+    /// More than the client may upload now.
+    Refused(crate::Refusal),
     Storage(object_store::Error),
 }
 
-/// Streams `body` into the object at `path` (never whole in memory): at most `max`
-/// bytes, and exactly `expected` when given. The object exists only if all went well.
-pub async fn write_object<B>(store: &dyn ObjectStore, path: &Path, body: B, expected: Option<u64>, max: u64) -> Result<u64, WriteError>
+/// Streams `body` into the object at `path` (never whole in memory) in pieces of `chunk`
+/// bytes: at most `max` bytes, and exactly `expected` when given; `admit` is asked before
+/// each piece of the body is taken (what it may still cost). The object exists only if
+/// all went well.
+pub async fn write_object<B>(
+    store: &dyn ObjectStore,
+    path: &Path,
+    body: B,
+    (expected, max): (Option<u64>, u64),
+    chunk: usize,
+    mut admit: impl FnMut(u64) -> Result<(), crate::Refusal> + Send,
+) -> Result<u64, WriteError>
 where
     B: http_body::Body<Data = Bytes> + Send + Unpin,
     B::Error: Into<BoxError>,
 {
     let upload = store.put_multipart(path).await.map_err(WriteError::Storage)?;
-    let mut writer = WriteMultipart::new_with_chunk_size(upload, WRITE_CHUNK);
+    // One piece in flight: what a parked upload holds is one chunk.
+    let mut writer = WriteMultipart::new_with_chunk_size(upload, chunk);
     let mut body = body;
     let mut written = 0u64;
     let outcome = loop {
-        match body.frame().await {
+        let frame = match tokio::time::timeout(IDLE, body.frame()).await {
+            Ok(frame) => frame,
+            Err(_) => break Err(WriteError::Client(format!("the upload sent nothing for {} s", IDLE.as_secs()))),
+        };
+        match frame {
             None => break Ok(()),
             Some(Err(error)) => break Err(WriteError::Client(format!("the upload broke off: {}", error.into()))),
             Some(Ok(frame)) => {
@@ -104,7 +157,10 @@ where
                 if written > max || expected.is_some_and(|expected| written > expected) {
                     break Err(WriteError::Client(format!("the upload is larger than {}", expected.unwrap_or(max))));
                 }
-                if let Err(error) = writer.wait_for_capacity(4).await {
+                if let Err(refusal) = admit(data.len() as u64) {
+                    break Err(WriteError::Refused(refusal));
+                }
+                if let Err(error) = writer.wait_for_capacity(1).await {
                     break Err(WriteError::Storage(error));
                 }
                 writer.put(data);

@@ -9,7 +9,8 @@ use prometheus_client::{
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
-    /// `age`, `repository_size`, `total_size`, `abandoned`.
+    /// Evictions: `age`, `repository_size`, `total_size`, `abandoned`; refusals: see
+    /// `crate::Refusal::reason`.
     pub reason: String,
 }
 
@@ -34,6 +35,11 @@ pub struct CacheMetrics {
     pub evictions: Family<ReasonLabel, Counter>,
     pub stored_bytes: Gauge,
     pub stored_entries: Gauge,
+    /// Requests refused, by reason (`crate::Refusal::reason`).
+    pub refusals: Family<ReasonLabel, Counter>,
+    /// Bytes of uploads not committed (or committed, not yet swept): what the in-flight
+    /// allowance holds.
+    pub uploading_bytes: Gauge,
 }
 
 impl CacheMetrics {
@@ -50,10 +56,16 @@ impl CacheMetrics {
         registry.register("evictions", "Entries removed, by reason", self.evictions.clone());
         registry.register("stored_bytes", "Bytes stored in committed entries (at the last sweep)", self.stored_bytes.clone());
         registry.register("stored_entries", "Committed entries (at the last sweep)", self.stored_entries.clone());
+        registry.register("refusals", "Requests refused, by reason (docs/security.md lists them)", self.refusals.clone());
+        registry.register("uploading_bytes", "Bytes of saves in flight, charged to the in-flight allowance", self.uploading_bytes.clone());
     }
 
     pub fn request(&self, api: &str) {
         self.requests.get_or_create(&ApiLabel { api: api.to_owned() }).inc();
+    }
+
+    pub fn refused(&self, reason: &str) {
+        self.refusals.get_or_create(&ReasonLabel { reason: reason.to_owned() }).inc();
     }
 
     pub fn evicted(&self, reason: &str, entries: u64) {

@@ -3,9 +3,9 @@
 //! the index is the storage and a restarted (or another) controller finds everything.
 //!
 //! ```text
-//! entries/<repository>/<ref>/<version>/<sha256(key)>   committed entry (JSON, written once;
-//!                                                       rewritten unchanged on use: its
-//!                                                       modification time is its last use)
+//! entries/<repository>/<ref>/<version>/<sha256(key)>   committed entry (JSON, written once)
+//! used/<repository>/<ref>/<version>/<sha256(key)>      empty, written on use: its modification
+//!                                                       time is the entry's last use
 //! blobs/<repository>/<id>/<offset, 20 digits>          the archive, in parts
 //! uploads/<repository>/<id>                            an upload not committed yet (JSON)
 //! pending/<repository>/<ref>/<version>/<sha256(key)>    the v2 upload of that key (its id)
@@ -13,7 +13,10 @@
 //! ```
 //!
 //! An entry is visible only once its JSON exists, which commit writes last and only if
-//! absent: an entry being written is invisible, a committed one is never overwritten.
+//! absent: an entry being written is invisible, a committed one is never overwritten. A
+//! restore marks its use beside the entry, never on it: a mark that races the sweep's
+//! eviction leaves a stray mark (the next sweep removes it), never an entry without its
+//! archive.
 //! Path segments are percent-encoded by `object_store`, so a ref like `refs/heads/main`
 //! is one segment.
 
@@ -26,7 +29,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CacheError;
 
-/// A committed entry.
+/// A committed entry, or an upload between reserve and commit (the same record: commit
+/// writes the upload's, with the archive's size, as the entry).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EntryMeta {
     pub id: u64,
@@ -35,23 +39,13 @@ pub struct EntryMeta {
     pub repository: String,
     #[serde(rename = "ref")]
     pub git_ref: String,
+    /// The archive's size; of an upload, what the client announced (0: unknown, v2).
     pub size: u64,
     pub created_ms: i64,
 }
 
 /// An upload between reserve and commit.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UploadMeta {
-    pub id: u64,
-    pub key: String,
-    pub version: String,
-    pub repository: String,
-    #[serde(rename = "ref")]
-    pub git_ref: String,
-    /// What the client announced (0: unknown, v2).
-    pub size: u64,
-    pub created_ms: i64,
-}
+pub type UploadMeta = EntryMeta;
 
 /// A stored object: where, how big, when last written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,7 +60,32 @@ pub struct Object {
 pub struct Storage {
     store: Arc<dyn ObjectStore>,
     /// Entries are written once: what was read of one is what it holds until it goes.
-    entries: std::sync::Mutex<HashMap<Path, EntryMeta>>,
+    entries: std::sync::Mutex<Remembered>,
+}
+
+/// The entries read so far, by path and by archive id.
+#[derive(Debug, Default)]
+struct Remembered {
+    by_path: HashMap<Path, EntryMeta>,
+    /// (repository, archive id) → its entry: whose archive a download asks for.
+    by_archive: HashMap<(String, u64), EntryMeta>,
+}
+
+impl Remembered {
+    fn insert(&mut self, path: Path, entry: EntryMeta) {
+        // A bound, not a policy: entries are read again after a flush.
+        if self.by_path.len() > 100_000 {
+            *self = Remembered::default();
+        }
+        self.by_archive.insert((entry.repository.clone(), entry.id), entry.clone());
+        self.by_path.insert(path, entry);
+    }
+
+    fn remove(&mut self, path: &Path) {
+        if let Some(entry) = self.by_path.remove(path) {
+            self.by_archive.remove(&(entry.repository, entry.id));
+        }
+    }
 }
 
 /// The hex sha256 of `key`: a key may be longer than a path segment may be.
@@ -93,6 +112,14 @@ impl Storage {
 
     pub fn entry_path(repository: &str, git_ref: &str, version: &str, key: &str) -> Path {
         path(&["entries", repository, git_ref, version, &key_hash(key)])
+    }
+
+    pub fn used_dir(repository: &str, git_ref: &str, version: &str) -> Path {
+        path(&["used", repository, git_ref, version])
+    }
+
+    pub fn used_path(repository: &str, git_ref: &str, version: &str, key: &str) -> Path {
+        path(&["used", repository, git_ref, version, &key_hash(key)])
     }
 
     pub fn upload_path(repository: &str, id: u64) -> Path {
@@ -135,10 +162,17 @@ impl Storage {
     /// The committed entries of one scope and version, with when each was last used.
     pub async fn entries(&self, repository: &str, git_ref: &str, version: &str) -> Result<Vec<(EntryMeta, i64)>, CacheError> {
         let listed = self.list(&Self::entry_dir(repository, git_ref, version)).await?;
+        let marks: HashMap<String, i64> = self
+            .list(&Self::used_dir(repository, git_ref, version))
+            .await?
+            .into_iter()
+            .filter_map(|mark| Some((mark.path.filename()?.to_owned(), mark.modified_ms)))
+            .collect();
         let mut found = Vec::with_capacity(listed.len());
         for object in listed {
+            let used = object.path.filename().and_then(|name| marks.get(name)).copied().unwrap_or(0).max(object.modified_ms);
             if let Some(entry) = self.entry(&object.path).await? {
-                found.push((entry, object.modified_ms));
+                found.push((entry, used));
             }
         }
         Ok(found)
@@ -146,21 +180,31 @@ impl Storage {
 
     /// The entry at `path`, if it (still) exists.
     pub async fn entry(&self, path: &Path) -> Result<Option<EntryMeta>, CacheError> {
-        if let Some(entry) = self.remembered().get(path) {
+        if let Some(entry) = self.remembered().by_path.get(path) {
             return Ok(Some(entry.clone()));
         }
         let Some(bytes) = self.read(path).await? else { return Ok(None) };
         let entry: EntryMeta = serde_json::from_slice(&bytes).map_err(|source| CacheError::Corrupt { path: path.to_string(), source })?;
-        let mut remembered = self.remembered();
-        // A bound, not a policy: entries are re-read after a flush.
-        if remembered.len() > 100_000 {
-            remembered.clear();
-        }
-        remembered.insert(path.clone(), entry.clone());
+        self.remembered().insert(path.clone(), entry.clone());
         Ok(Some(entry))
     }
 
-    fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<Path, EntryMeta>> {
+    /// The committed entry of `repository` whose archive is `id`, as far as this process
+    /// has read (see [`Storage::read_ref`]).
+    pub fn archive(&self, repository: &str, id: u64) -> Option<EntryMeta> {
+        self.remembered().by_archive.get(&(repository.to_owned(), id)).cloned()
+    }
+
+    /// Reads every committed entry of one ref (every version), so that [`Storage::archive`]
+    /// knows them.
+    pub async fn read_ref(&self, repository: &str, git_ref: &str) -> Result<(), CacheError> {
+        for object in self.list(&path(&["entries", repository, git_ref])).await? {
+            self.entry(&object.path).await?;
+        }
+        Ok(())
+    }
+
+    fn remembered(&self) -> std::sync::MutexGuard<'_, Remembered> {
         self.entries.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -171,17 +215,19 @@ impl Storage {
         let json = serde_json::to_vec(entry).map_err(|source| CacheError::Corrupt { path: path.to_string(), source })?;
         let options = PutOptions { mode: PutMode::Create, ..PutOptions::default() };
         match self.store.put_opts(&path, PutPayload::from(json), options).await {
-            Ok(_) => Ok(true),
+            Ok(_) => {
+                self.remembered().insert(path, entry.clone());
+                Ok(true)
+            }
             Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
             Err(error) => Err(error.into()),
         }
     }
 
-    /// Marks the entry used now (its JSON written again, unchanged).
+    /// Marks the entry used now, beside it (the entry itself is never written again).
     pub async fn touch(&self, entry: &EntryMeta) -> Result<(), CacheError> {
-        let path = Self::entry_path(&entry.repository, &entry.git_ref, &entry.version, &entry.key);
-        let json = serde_json::to_vec(entry).map_err(|source| CacheError::Corrupt { path: path.to_string(), source })?;
-        self.store.put(&path, PutPayload::from(json)).await?;
+        let path = Self::used_path(&entry.repository, &entry.git_ref, &entry.version, &entry.key);
+        self.store.put(&path, PutPayload::default()).await?;
         Ok(())
     }
 
@@ -231,7 +277,8 @@ impl Storage {
         Ok(freed)
     }
 
-    /// Moves a staged v2 block into its place as a part of the archive.
+    /// Moves a staged v2 block into its place as a part of the archive (replacing what is
+    /// there).
     pub async fn rename(&self, from: &Path, to: &Path) -> Result<(), CacheError> {
         self.store.rename(from, to).await?;
         Ok(())

@@ -1,6 +1,9 @@
 //! What the cache lets go, each sweep: entries not used for `max_age`; then, per
 //! repository over `max_repository` and over `max_total` for all, the least recently
-//! used entries until it fits; uploads never committed and their parts after an hour.
+//! used entries until it fits; uploads never committed and their parts after an hour
+//! (their charge to the in-flight allowance goes back then), and use marks whose entry
+//! went. A commit stays charged to its job until a sweep has counted it among the
+//! committed entries.
 //! Several controllers on one bucket may sweep at once: deleting twice is harmless.
 
 use std::collections::{HashMap, HashSet};
@@ -87,8 +90,10 @@ impl Cache {
     /// # Errors
     /// When the store cannot be listed (what was deleted before stays deleted).
     pub async fn sweep(&self) -> Result<Swept, CacheError> {
+        let mark = self.uploads().sweep_starts();
         let storage = self.storage();
         let now = now_ms();
+        let used = used_marks(&storage.list(&Path::from("used")).await?);
         let blobs = storage.list(&Path::from("blobs")).await?;
         let mut blob_sizes: HashMap<(String, String), (u64, i64)> = HashMap::new();
         for object in &blobs {
@@ -100,11 +105,21 @@ impl Cache {
         }
         let mut entries = Vec::new();
         let mut stored = Vec::new();
+        let mut marked = HashSet::new();
         for object in storage.list(&Path::from("entries")).await? {
             let Some(entry) = storage.entry(&object.path).await? else { continue };
             let size = blob_sizes.get(&(encoded(&entry.repository), entry.id.to_string())).map_or(0, |(size, _)| *size);
-            stored.push(Stored { repository: entry.repository.clone(), size, last_used_ms: object.modified_ms });
+            let suffix = below_first(&object.path);
+            let last_used_ms = used.get(&suffix).map_or(object.modified_ms, |(_, used_ms)| object.modified_ms.max(*used_ms));
+            marked.insert(suffix);
+            stored.push(Stored { repository: entry.repository.clone(), size, last_used_ms });
             entries.push((object.path, entry));
+        }
+        // Marks of entries gone (a restore's mark racing an eviction).
+        for (suffix, (path, _)) in &used {
+            if !marked.contains(suffix) {
+                storage.delete(path).await?;
+            }
         }
         let mut swept = Swept::default();
         let going = plan(&stored, &self.limits(), now);
@@ -112,6 +127,9 @@ impl Cache {
         for (index, reason) in &going {
             let (path, entry) = &entries[*index];
             storage.delete(path).await?;
+            if let Some((mark, _)) = used.get(&below_first(path)) {
+                storage.delete(mark).await?;
+            }
             storage.delete_all(&crate::store::Storage::blob_dir(&entry.repository, entry.id)).await?;
             tracing::info!(repository = %entry.repository, git_ref = %entry.git_ref, key = %entry.key, reason = reason.label(), "cache entry evicted");
             self.metrics().evicted(reason.label(), 1);
@@ -125,6 +143,8 @@ impl Cache {
         }
         self.metrics().stored_entries.set(i64::try_from(swept.entries).unwrap_or(i64::MAX));
         self.metrics().stored_bytes.set(i64::try_from(swept.bytes).unwrap_or(i64::MAX));
+        self.uploads().swept(mark);
+        self.metrics().uploading_bytes.set(i64::try_from(self.uploads().in_flight().bytes).unwrap_or(i64::MAX));
         Ok(swept)
     }
 
@@ -145,6 +165,9 @@ impl Cache {
             let [_, repository, id] = parts.as_slice() else { continue };
             if old(&object) {
                 storage.delete(&object.path).await?;
+                if let Ok(id) = id.parse() {
+                    self.uploads().given_up(repository, id);
+                }
                 abandoned += 1;
             } else {
                 open.insert((repository.clone(), id.clone()));
@@ -180,7 +203,7 @@ impl Cache {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(interval) => {}
-                () = self.committed() => {
+                () = self.uploads().committed() => {
                     // Commits come in bursts (a matrix): one sweep after them.
                     tokio::select! {
                         () = shutdown.cancelled() => return,
@@ -192,8 +215,18 @@ impl Cache {
     }
 }
 
+/// `used/<repository>/<ref>/<version>/<hash>` by what follows `used/` → (path, mark time).
+fn used_marks(marks: &[Object]) -> HashMap<String, (Path, i64)> {
+    marks.iter().map(|mark| (below_first(&mark.path), (mark.path.clone(), mark.modified_ms))).collect()
+}
+
+/// A path without its first segment: an entry's and its use mark's are the same.
+fn below_first(path: &Path) -> String {
+    path.parts().skip(1).map(|part| part.as_ref().to_owned()).collect::<Vec<_>>().join("/")
+}
+
 /// A repository as it stands (percent-encoded) in a path segment.
-fn encoded(repository: &str) -> String {
+pub(crate) fn encoded(repository: &str) -> String {
     object_store::path::PathPart::from(repository).as_ref().to_owned()
 }
 
@@ -216,7 +249,7 @@ mod tests {
 
     #[test]
     fn age_then_repository_then_total_least_recently_used_first() {
-        let limits = Limits { max_total: 100, max_repository: 60, max_age: std::time::Duration::from_secs(10) };
+        let limits = Limits::new(100, 60, std::time::Duration::from_secs(10));
         let now = 100_000;
         let entries = [
             stored("a", 30, now - 20_000), // 0: too old

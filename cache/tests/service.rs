@@ -8,6 +8,8 @@
 
 use std::{sync::Arc, time::Duration};
 
+use cache::KeepFree;
+
 use bytes::Bytes;
 use cache::{Cache, CacheMetrics, Limits, Scope};
 use http_body_util::{BodyExt as _, Full};
@@ -30,7 +32,7 @@ impl Backend {
         Backend::S3(testkit::s3::S3Server::start("cache"))
     }
 
-    fn store(&self) -> Arc<dyn object_store::ObjectStore> {
+    fn store(&self) -> cache::backend::Backend {
         match self {
             Backend::Directory(dir) => cache::backend::directory(dir.path()).unwrap(),
             Backend::S3(server) => cache::backend::s3(&cache::backend::S3 {
@@ -88,15 +90,16 @@ on_both_backends!(
 );
 
 fn roomy() -> Limits {
-    Limits { max_total: 1 << 30, max_repository: 1 << 28, max_age: Duration::from_secs(3600) }
+    Limits::new(1 << 30, 1 << 28, Duration::from_secs(3600))
 }
 
 fn main_branch(repository: &str) -> Scope {
-    Scope::new(repository, "refs/heads/main", ["refs/heads/main".to_owned()])
+    Scope::new(repository, "refs/heads/main", ["refs/heads/main".to_owned()]).for_job(format!("{repository}@main"))
 }
 
 fn pull_request(repository: &str, number: u32) -> Scope {
     Scope::new(repository, format!("refs/pull/{number}/head"), ["refs/heads/main".to_owned(), "refs/heads/main".to_owned()])
+        .for_job(format!("{repository}#{number}"))
 }
 
 async fn call(cache: &Cache, scope: &Scope, method: &str, path: &str, headers: &[(&str, String)], body: impl Into<Bytes>) -> (u16, http::HeaderMap, Bytes) {
@@ -283,20 +286,21 @@ async fn v2_creates_uploads_in_blocks_finalizes_and_restores(backend: Backend) {
 }
 
 async fn the_sweep_keeps_each_repository_and_the_whole_within_limits_least_recently_used_first(backend: Backend) {
-    let limits = Limits { max_total: 250, max_repository: 150, max_age: Duration::from_secs(3600) };
+    let limits = Limits::new(250, 150, Duration::from_secs(3600));
     let cache = backend.cache(limits);
     let (a, b) = (main_branch("acme/a"), main_branch("acme/b"));
-    for key in ["a1", "a2", "a3"] {
-        save_v1(&cache, &a, key, &[1u8; 60], 60).await;
+    // Each save swept as the sweep loop does after a commit (until then a commit counts
+    // against the in-flight allowance, which is one largest entry here).
+    let mut evicted = 0;
+    let mut swept = cache::sweep::Swept::default();
+    for (scope, key) in [(&a, "a1"), (&a, "a2"), (&a, "a3"), (&b, "b1"), (&b, "b2")] {
+        assert_eq!(save_v1(&cache, scope, key, &[1u8; 60], 60).await, (200, 200), "{key}");
         tokio::time::sleep(backend.tick()).await;
+        swept = cache.sweep().await.unwrap();
+        evicted += swept.evicted;
     }
-    for key in ["b1", "b2"] {
-        save_v1(&cache, &b, key, &[2u8; 60], 60).await;
-        tokio::time::sleep(backend.tick()).await;
-    }
-    let swept = cache.sweep().await.unwrap();
     // a: 180 > 150 → a1 goes; then 120 + 120 = 240 ≤ 250.
-    assert_eq!((swept.evicted, swept.entries, swept.bytes), (1, 4, 240), "{swept:?}");
+    assert_eq!((evicted, swept.entries, swept.bytes), (1, 4, 240), "{swept:?}");
     assert_eq!(restore_v1(&cache, &a, &["a1"]).await, None);
     assert!(restore_v1(&cache, &a, &["a2"]).await.is_some());
     assert_eq!(cache.metrics().stored_entries.get(), 4);
@@ -306,7 +310,7 @@ async fn the_sweep_keeps_each_repository_and_the_whole_within_limits_least_recen
 }
 
 async fn a_save_larger_than_the_limit_is_refused_with_the_setting_named(backend: Backend) {
-    let cache = backend.cache(Limits { max_total: 1 << 20, max_repository: 1000, max_age: Duration::from_secs(60) });
+    let cache = backend.cache(Limits::new(1 << 20, 1000, Duration::from_secs(60)));
     let scope = main_branch("acme/app");
     let (status, _, body) =
         call(&cache, &scope, "POST", "/_apis/artifactcache/caches", &[], format!(r#"{{"key":"big","version":"{VERSION}","cacheSize":5000}}"#)).await;
@@ -325,4 +329,192 @@ async fn two_controllers_on_one_store_share_the_entries(backend: Backend) {
     assert_eq!(save_v1(&first, &scope, "shared", b"saved by the first", 7).await, (200, 200));
     assert_eq!(restore_v1(&second, &scope, &["shared"]).await.unwrap().1.as_ref(), b"saved by the first");
     assert_eq!(save_v1(&second, &scope, "shared", b"again", 7).await.0, 409);
+}
+
+/// What one job's requests may hold, each bound tried as a hostile step would: refused
+/// with its status, counted by its reason, and nothing of it left charged afterwards.
+mod bounds {
+    use super::*;
+
+    fn refusals(cache: &Cache, reason: &str) -> u64 {
+        cache.metrics().refusals.get_or_create(&cache::metrics::ReasonLabel { reason: reason.to_owned() }).get()
+    }
+
+    async fn reserve(cache: &Cache, scope: &Scope, key: &str, size: u64) -> (u16, Option<u64>, String) {
+        let reserve = serde_json::json!({ "key": key, "version": VERSION, "cacheSize": size }).to_string();
+        let (status, _, body) = call(cache, scope, "POST", "/_apis/artifactcache/caches", &[], reserve).await;
+        let id = (status == 200).then(|| json(&body)["cacheId"].as_u64().unwrap());
+        (status, id, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    async fn patch(cache: &Cache, scope: &Scope, id: u64, start: u64, bytes: &'static [u8]) -> (u16, String) {
+        let range = ("content-range", format!("bytes {start}-{}/*", start + bytes.len() as u64 - 1));
+        let (status, _, body) = call(cache, scope, "PATCH", &format!("/_apis/artifactcache/caches/{id}"), &[range], Bytes::from_static(bytes)).await;
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn parts_never_overlap_nor_leave_the_reservation_and_an_upload_has_at_most_max_parts() {
+        let backend = Backend::directory();
+        let cache = backend.cache(roomy());
+        let scope = main_branch("acme/app");
+        let (_, id, _) = reserve(&cache, &scope, "k", 10).await;
+        let id = id.unwrap();
+        let table: &[(u64, &'static [u8], u16, &str)] = &[
+            (0, b"hello", 204, "a part"),
+            (0, b"HELLO", 204, "the same range again (a retry)"),
+            (3, b"xyz", 416, "overlapping the first"),
+            (8, b"abc", 416, "past the reservation of 10"),
+            (5, b"world", 204, "the rest"),
+        ];
+        for (start, bytes, status, case) in table {
+            assert_eq!(patch(&cache, &scope, id, *start, bytes).await.0, *status, "{case}");
+        }
+        assert_eq!((refusals(&cache, "overlap"), refusals(&cache, "outside_reservation")), (1, 1));
+        let (status, _, _) = call(&cache, &scope, "POST", &format!("/_apis/artifactcache/caches/{id}"), &[], r#"{"size":10}"#).await;
+        assert_eq!(status, 200);
+        assert_eq!(restore_v1(&cache, &scope, &["k"]).await.unwrap().1.as_ref(), b"HELLOworld");
+
+        // One-byte parts: inodes run out before bytes do.
+        let (_, id, _) = reserve(&cache, &scope, "many", 2 * cache::scope::MAX_PARTS).await;
+        let id = id.unwrap();
+        for part in 0..cache::scope::MAX_PARTS {
+            assert_eq!(patch(&cache, &scope, id, part, b"x").await.0, 204, "part {part}");
+        }
+        let (status, body) = patch(&cache, &scope, id, cache::scope::MAX_PARTS, b"x").await;
+        assert_eq!(status, 429, "{body}");
+        assert!(body.contains("at most 1024 parts"), "{body}");
+        assert_eq!(refusals(&cache, "parts"), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn uploads_in_flight_are_bounded_per_job_per_repository_and_in_all_until_swept() {
+        let backend = Backend::directory();
+        // The largest entry 400: a job and a repository may have 400 in flight, all 800.
+        let cache = backend.cache(Limits::new(1000, 400, Duration::from_secs(3600)));
+        let (a1, a2) = (main_branch("acme/a"), pull_request("acme/a", 1));
+        let (b, c) = (main_branch("acme/b"), main_branch("acme/c"));
+        let table: &[(&Scope, &str, u64, u16, &str)] = &[
+            (&a1, "a1-one", 300, 200, "within everything"),
+            (&a1, "a1-two", 200, 429, "the job would hold 500"),
+            (&a2, "a2-one", 100, 200, "another job of the repository"),
+            (&a2, "a2-two", 1, 429, "the repository would hold 401"),
+            (&b, "b-one", 400, 200, "another repository"),
+            (&c, "c-one", 1, 429, "all would hold 801"),
+        ];
+        let mut ids = Vec::new();
+        for (scope, key, size, status, case) in table {
+            let (got, id, body) = reserve(&cache, scope, key, *size).await;
+            assert_eq!(got, *status, "{case}: {body}");
+            ids.extend(id.map(|id| (*scope, id, *size)));
+        }
+        for reason in ["job_uploading", "repository_uploading", "total_uploading"] {
+            assert_eq!(refusals(&cache, reason), 1, "{reason}");
+        }
+        assert_eq!(cache.metrics().uploading_bytes.get(), 800);
+        // Committed: still charged until a sweep has counted the entries.
+        for (scope, id, size) in &ids {
+            let data = vec![7u8; usize::try_from(*size).unwrap()];
+            let range = ("content-range", format!("bytes 0-{}/*", size - 1));
+            assert_eq!(call(&cache, scope, "PATCH", &format!("/_apis/artifactcache/caches/{id}"), &[range], data).await.0, 204);
+            let commit = format!(r#"{{"size":{size}}}"#);
+            assert_eq!(call(&cache, scope, "POST", &format!("/_apis/artifactcache/caches/{id}"), &[], commit).await.0, 200);
+        }
+        assert_eq!(reserve(&cache, &c, "c-one", 1).await.0, 429, "commits not swept yet");
+        cache.sweep().await.unwrap();
+        assert_eq!(cache.metrics().uploading_bytes.get(), 0);
+        assert_eq!(reserve(&cache, &c, "c-one", 1).await.0, 200, "swept: counted among the committed entries now");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_has_at_most_eight_saves_open_and_unknown_sizes_are_charged_as_they_arrive() {
+        let backend = Backend::directory();
+        let cache = backend.cache(Limits::new(1 << 20, 1000, Duration::from_secs(3600)));
+        let (job, other) = (main_branch("acme/a"), pull_request("acme/a", 2));
+        for key in 0..cache::scope::MAX_OPEN_UPLOADS {
+            assert_eq!(reserve(&cache, &job, &format!("open-{key}"), 0).await.0, 200);
+        }
+        let (status, _, body) = reserve(&cache, &job, "one-more", 0).await;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(refusals(&cache, "open_uploads"), 1);
+        assert_eq!(reserve(&cache, &other, "theirs", 0).await.0, 200, "another job is not held to this one's");
+
+        // v2, whose client announces no size: a PUT charged per frame, refused past the
+        // largest entry (1000) at the block list too.
+        let twirp = |method: &str| format!("/twirp/github.actions.results.api.v1.CacheService/{method}");
+        let scope = main_branch("acme/v2");
+        let (_, _, body) = call(&cache, &scope, "POST", &twirp("CreateCacheEntry"), &[], format!(r#"{{"key":"big","version":"{VERSION}"}}"#)).await;
+        let upload = json(&body)["signed_upload_url"].as_str().unwrap().strip_prefix(BASE).unwrap().to_owned();
+        for (id, status) in [("AAA%3D", 201), ("AAE%3D", 429)] {
+            let (got, _, body) = call(&cache, &scope, "PUT", &format!("{upload}?comp=block&blockid={id}"), &[], vec![1u8; 600]).await;
+            assert_eq!(got, status, "{}", String::from_utf8_lossy(&body));
+        }
+        assert_eq!(refusals(&cache, "job_uploading"), 1);
+        let (status, _, body) = call(&cache, &scope, "PUT", &upload, &[], vec![1u8; 1001]).await;
+        assert!(status == 400 || status == 429, "a single PUT over the largest entry: {status} {}", String::from_utf8_lossy(&body));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_has_at_most_sixteen_requests_in_progress() {
+        let backend = Backend::directory();
+        let cache = backend.cache(roomy());
+        let scope = main_branch("acme/app");
+        let data = vec![3u8; 8 << 20];
+        assert_eq!(save_v1(&cache, &scope, "big", &data, 4 << 20).await, (200, 200));
+        let (_, _, body) = call(&cache, &scope, "GET", &format!("/_apis/artifactcache/cache?keys=big&version={VERSION}"), &[], Bytes::new()).await;
+        let path = json(&body)["archiveLocation"].as_str().unwrap().strip_prefix(BASE).unwrap().to_owned();
+        let get = || http::Request::builder().method("GET").uri(path.as_str()).body(Full::new(Bytes::new())).unwrap();
+        // Downloads left unread hold their place until dropped.
+        let mut unread = Vec::new();
+        for _ in 0..cache::service::MAX_REQUESTS_PER_JOB {
+            let response = cache.handle(&scope, BASE, get()).await;
+            assert_eq!(response.status(), 200);
+            unread.push(response);
+        }
+        assert_eq!(cache.handle(&scope, BASE, get()).await.status(), 429);
+        assert_eq!(refusals(&cache, "job_requests"), 1);
+        assert_eq!(cache.handle(&pull_request("acme/app", 1), BASE, get()).await.status(), 200, "another job is served");
+        unread.pop();
+        let response = cache.handle(&scope, BASE, get()).await;
+        assert_eq!(response.status(), 200, "one done: room again");
+        assert_eq!(response.into_body().collect().await.unwrap().to_bytes().len(), data.len());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nothing_is_written_below_the_free_space_the_cache_keeps() {
+        let backend = Backend::directory();
+        let cache = backend.cache(roomy()).keep_free(KeepFree::Percent(100));
+        let (status, _, body) = reserve(&cache, &main_branch("acme/app"), "k", 10).await;
+        assert_eq!(status, 507, "{body}");
+        assert!(body.contains("cache.keep_free"), "{body}");
+        assert_eq!(refusals(&cache, "keep_free"), 1);
+    }
+
+    /// F6: an archive is read by the refs that may read its entry, not by anyone who
+    /// learns its id; an entry evicted under a restore's mark is gone, not broken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn archives_follow_ref_scoping_and_an_evicted_entry_can_be_saved_again() {
+        let backend = Backend::directory();
+        let cache = backend.cache(roomy());
+        let (main, pr, sibling) = (main_branch("acme/app"), pull_request("acme/app", 3), pull_request("acme/app", 4));
+        assert_eq!(save_v1(&cache, &pr, "secret", b"pull request 3's", 100).await, (200, 200));
+        let (_, _, body) = call(&cache, &pr, "GET", &format!("/_apis/artifactcache/cache?keys=secret&version={VERSION}"), &[], Bytes::new()).await;
+        let path = json(&body)["archiveLocation"].as_str().unwrap().strip_prefix(BASE).unwrap().to_owned();
+        let fresh = backend.cache(roomy());
+        for (who, scope, status) in [("its own job", &pr, 200), ("a sibling pull request", &sibling, 404), ("main", &main, 404)] {
+            assert_eq!(call(&cache, scope, "GET", &path, &[], Bytes::new()).await.0, status, "{who}");
+            assert_eq!(call(&fresh, scope, "GET", &path, &[], Bytes::new()).await.0, status, "{who}, on a controller that never saw the save");
+        }
+        assert_eq!(refusals(&cache, "unknown_archive"), 2);
+
+        assert!(restore_v1(&cache, &main, &["gone"]).await.is_none());
+        assert_eq!(save_v1(&cache, &main, "gone", b"old", 100).await, (200, 200));
+        assert!(restore_v1(&cache, &main, &["gone"]).await.is_some(), "the restore marks the entry used");
+        let aged = backend.cache(Limits::new(1 << 30, 1 << 28, Duration::ZERO));
+        tokio::time::sleep(backend.tick()).await;
+        aged.sweep().await.unwrap();
+        assert!(restore_v1(&cache, &main, &["gone"]).await.is_none(), "evicted with its mark");
+        assert_eq!(save_v1(&cache, &main, "gone", b"new", 100).await, (200, 200), "the key saves again");
+        assert_eq!(restore_v1(&cache, &main, &["gone"]).await.unwrap().1.as_ref(), b"new");
+    }
 }

@@ -20,3 +20,14 @@ pub const HEADER_CAPABILITY: &str = "x-gdr-capability";
 /// The cache's URL as the job reaches it: the base of the download and upload URLs the
 /// cache hands out.
 pub const HEADER_URL: &str = "x-gdr-cache-url";
+
+/// The legacy `_apis/artifactcache` API's path prefix.
+pub const V1: &str = "/_apis/artifactcache/";
+/// The v2 Twirp `CacheService`'s path prefix.
+pub const V2: &str = "/twirp/github.actions.results.api.v1.CacheService/";
+
+/// Whether a job's request to `path` belongs to the cache: what the supervisor sends to
+/// the controller (everything else goes to Gitea).
+pub fn is_cache(path: &str) -> bool {
+    path.starts_with(V1) || path.starts_with(V2)
+}

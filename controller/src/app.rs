@@ -188,16 +188,20 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
 /// # Errors
 /// When its storage cannot be opened or its credential files read.
 pub fn open_cache(config: &Config, metrics: &Metrics) -> anyhow::Result<Option<Arc<::cache::Cache>>> {
-    let store = match config.cache_storage() {
+    let backend = match config.cache_storage() {
         None if config.cache.enabled => {
             tracing::warn!(
-                "the jobs' cache is off: with a JetStream store it needs [cache.s3] (a bucket the controllers share) or cache.dir (a directory they all \
-                 see); set cache.enabled = false to say it is meant"
+                "the jobs' cache is off: set cache.dir (a directory of this host, best on a filesystem apart from the store's; one all controllers \
+                 see with JetStream) or [cache.s3] (a bucket the controllers share); set cache.enabled = false to say it is meant"
             );
             return Ok(None);
         }
         None => return Ok(None),
-        Some(crate::config::CacheStorage::Directory(dir)) => ::cache::backend::directory(&dir).context("cache.dir")?,
+        Some(crate::config::CacheStorage::Directory(dir)) => {
+            let backend = ::cache::backend::directory(&dir).context("cache.dir")?;
+            warn_if_beside_the_store(&dir, config.store_dir());
+            backend
+        }
         Some(crate::config::CacheStorage::S3(s3)) => {
             let read = |setting: &str, path: &std::path::Path| {
                 std::fs::read_to_string(path).map(|text| text.trim().to_owned()).with_context(|| format!("{setting}: cannot read {}", path.display()))
@@ -215,8 +219,40 @@ pub fn open_cache(config: &Config, metrics: &Metrics) -> anyhow::Result<Option<A
         }
     };
     let limits = config.cache.limits();
-    tracing::info!(storage = ?config.cache_storage(), max_size = limits.max_total, max_repository_size = limits.max_repository, max_age = ?limits.max_age, "the jobs' cache is on");
-    Ok(Some(Arc::new(::cache::Cache::new(store, limits, Arc::clone(&metrics.cache)))))
+    let io = ::cache::Io::new(CACHE_IO_THREADS).context("cannot start the cache's I/O threads")?;
+    tracing::info!(
+        storage = ?config.cache_storage(),
+        max_size = limits.max_total,
+        max_repository_size = limits.max_repository,
+        max_uploading = limits.max_uploading,
+        keep_free = %config.cache.keep_free,
+        max_age = ?limits.max_age,
+        "the jobs' cache is on"
+    );
+    let cache = ::cache::Cache::new(backend, limits, Arc::clone(&metrics.cache)).with_io(io).keep_free(config.cache.keep_free());
+    Ok(Some(Arc::new(cache)))
+}
+
+/// The cache's blocking file I/O at once: its own, never the threads the store's writes
+/// need.
+const CACHE_IO_THREADS: usize = 16;
+
+/// Says so where the cache's directory shares the embedded store's filesystem: what
+/// cache.keep_free then protects is the store's room too.
+fn warn_if_beside_the_store(cache_dir: &std::path::Path, store_dir: Option<&std::path::Path>) {
+    use std::os::unix::fs::MetadataExt as _;
+    let Some(store_dir) = store_dir else { return };
+    let device = |path: &std::path::Path| std::fs::metadata(path).map(|metadata| metadata.dev()).ok();
+    if let (Some(cache), Some(store)) = (device(cache_dir), device(store_dir))
+        && cache == store
+    {
+        tracing::warn!(
+            cache_dir = %cache_dir.display(),
+            store_dir = %store_dir.display(),
+            "the jobs' cache shares the store's filesystem: saves stop at cache.keep_free of free space, which is all that keeps the store room to write; \
+             a filesystem of its own is safer"
+        );
+    }
 }
 
 /// Runs until `shutdown`, then joins every component (bounded by 30 s).

@@ -352,7 +352,7 @@ struct LocalPipeline {
 }
 
 /// How much run-local's cache keeps: one developer's repositories.
-const CACHE_LIMITS: cache::Limits = cache::Limits { max_total: 20 << 30, max_repository: 10 << 30, max_age: Duration::from_secs(7 * 24 * 3600) };
+const CACHE_LIMITS: cache::Limits = cache::Limits::new(20 << 30, 10 << 30, Duration::from_secs(7 * 24 * 3600));
 
 /// The cache between runs (`--cache-dir`, by default under ~/.cache), unless `--no-cache`.
 fn open_cache(args: &RunLocalArgs) -> anyhow::Result<Option<Arc<cache::Cache>>> {

@@ -14,9 +14,10 @@ pub struct CacheConfig {
     /// Off: jobs' `actions/cache` saves nothing and restores nothing (each is told why).
     #[serde(default = "default_true")]
     pub enabled: bool,
-    /// A directory of this host. Default: `cache/` beside the embedded store's file; with
-    /// JetStream there is no default (several controllers need `[cache.s3]`, or one
-    /// directory they all share).
+    /// A directory of this host. No default: where jobs' uploads go is the operator's
+    /// choice, best a filesystem apart from the store's (a full cache must never stop the
+    /// store's writes); several controllers need `[cache.s3]`, or one directory they all
+    /// share.
     pub dir: Option<PathBuf>,
     /// An S3-compatible bucket instead of `dir`.
     pub s3: Option<S3Config>,
@@ -29,6 +30,15 @@ pub struct CacheConfig {
     /// An entry not restored for this long goes.
     #[serde(default = "default_max_age", with = "duration")]
     pub max_age: Duration,
+    /// What saves not yet committed (and commits the sweep has not counted yet) may hold
+    /// beyond `max_size`, all jobs together; a job and a repository at most one largest
+    /// entry of it. Default: twice `max_repository_size` (the least it may be).
+    #[serde(default)]
+    pub max_uploading: Option<String>,
+    /// The free space the cache leaves on `dir`'s filesystem: a size (`2G`) or a share of
+    /// the filesystem (`10%`); below it, saves are refused (507) and restores go on.
+    #[serde(default = "default_keep_free")]
+    pub keep_free: String,
     /// How often old and excess entries are removed (and soon after each save).
     #[serde(default = "default_sweep_interval", with = "duration")]
     pub sweep_interval: Duration,
@@ -62,6 +72,9 @@ fn default_max_size() -> String {
 fn default_max_repository_size() -> String {
     "10G".into()
 }
+fn default_keep_free() -> String {
+    "2G".into()
+}
 fn default_max_age() -> Duration {
     Duration::from_secs(7 * 24 * 3600)
 }
@@ -81,6 +94,8 @@ impl Default for CacheConfig {
             max_size: default_max_size(),
             max_repository_size: default_max_repository_size(),
             max_age: default_max_age(),
+            max_uploading: None,
+            keep_free: default_keep_free(),
             sweep_interval: default_sweep_interval(),
         }
     }
@@ -108,16 +123,25 @@ pub struct S3Settings {
 impl CacheConfig {
     /// The limits, once validated.
     pub fn limits(&self) -> cache::Limits {
-        cache::Limits {
-            max_total: contract::units::parse_size(&self.max_size).unwrap_or(50 << 30),
-            max_repository: contract::units::parse_size(&self.max_repository_size).unwrap_or(10 << 30),
-            max_age: self.max_age,
+        let mut limits = cache::Limits::new(
+            contract::units::parse_size(&self.max_size).unwrap_or(50 << 30),
+            contract::units::parse_size(&self.max_repository_size).unwrap_or(10 << 30),
+            self.max_age,
+        );
+        if let Some(max_uploading) = self.max_uploading.as_deref().and_then(|value| contract::units::parse_size(value).ok()) {
+            limits.max_uploading = max_uploading;
         }
+        limits
     }
 
-    /// Where entries go: `[cache.s3]`, `dir`, or beside the embedded store (`store_dir`);
-    /// `None` when the cache is off or has nowhere to go.
-    pub fn storage(&self, store_dir: Option<&std::path::Path>) -> Option<CacheStorage> {
+    /// The free space kept on the cache's filesystem, once validated.
+    pub fn keep_free(&self) -> cache::KeepFree {
+        parse_keep_free(&self.keep_free).unwrap_or(cache::KeepFree::Bytes(2 << 30))
+    }
+
+    /// Where entries go: `[cache.s3]` or `dir`; `None` when the cache is off or has
+    /// nowhere to go.
+    pub fn storage(&self) -> Option<CacheStorage> {
         if !self.enabled {
             return None;
         }
@@ -132,7 +156,7 @@ impl CacheConfig {
                 path_style: s3.path_style,
             })));
         }
-        self.dir.clone().or_else(|| store_dir.map(|dir| dir.join("cache"))).map(CacheStorage::Directory)
+        self.dir.clone().map(CacheStorage::Directory)
     }
 
     pub fn validate(&self, problems: &mut Problems) {
@@ -144,6 +168,23 @@ impl CacheConfig {
         let limits = self.limits();
         if limits.max_repository > limits.max_total {
             problems.add("cache.max_repository_size", format!("{} is more than cache.max_size ({})", self.max_repository_size, self.max_size));
+        }
+        if let Some(max_uploading) = &self.max_uploading {
+            match contract::units::parse_size(max_uploading) {
+                Err(message) => problems.add("cache.max_uploading", message),
+                Ok(bytes) if bytes < 2 * limits.max_entry() => problems.add(
+                    "cache.max_uploading",
+                    format!(
+                        "{max_uploading} is less than twice the largest entry ({} MB, the lesser of cache.max_size and cache.max_repository_size): \
+                         one job could not save its largest entry",
+                        limits.max_entry() >> 20
+                    ),
+                ),
+                Ok(_) => {}
+            }
+        }
+        if let Err(message) = parse_keep_free(&self.keep_free) {
+            problems.add("cache.keep_free", message);
         }
         if self.max_age < Duration::from_secs(3600) {
             problems.add("cache.max_age", "must be at least 1h (entries of a day's jobs should survive the day)");
@@ -165,6 +206,17 @@ impl CacheConfig {
     }
 }
 
+/// `2G` or `10%`.
+fn parse_keep_free(value: &str) -> Result<cache::KeepFree, String> {
+    if let Some(percent) = value.trim().strip_suffix('%') {
+        return match percent.trim().parse::<u8>() {
+            Ok(percent) if percent < 100 => Ok(cache::KeepFree::Percent(percent)),
+            _ => Err(format!("{value:?} is not a share of the filesystem: use 0% to 99%")),
+        };
+    }
+    contract::units::parse_size(value).map(cache::KeepFree::Bytes).map_err(|message| format!("{message}, or a share such as 10%"))
+}
+
 impl S3Config {
     fn validate(&self, problems: &mut Problems) {
         let bucket = &self.bucket;
@@ -182,5 +234,37 @@ impl S3Config {
         if self.prefix.starts_with('/') {
             problems.add("cache.s3.prefix", format!("{:?} must not start with '/'", self.prefix));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_saves_may_hold_and_the_room_they_leave_are_checked() {
+        // (max_uploading, keep_free, the setting refused, or none)
+        let table: &[(Option<&str>, &str, Option<&str>)] = &[
+            (None, "2G", None),
+            (Some("20G"), "10%", None),
+            (Some("19G"), "2G", Some("cache.max_uploading")),
+            (Some("lots"), "2G", Some("cache.max_uploading")),
+            (None, "100%", Some("cache.keep_free")),
+            (None, "half", Some("cache.keep_free")),
+            (None, "0%", None),
+        ];
+        for (max_uploading, keep_free, refused) in table {
+            let config = CacheConfig { max_uploading: max_uploading.map(str::to_owned), keep_free: (*keep_free).to_owned(), ..CacheConfig::default() };
+            let checked = Problems::check(|problems| config.validate(problems));
+            match refused {
+                None => assert!(checked.is_ok(), "{max_uploading:?} {keep_free}: {checked:?}"),
+                Some(setting) => assert!(format!("{:?}", checked.unwrap_err()).contains(setting), "{max_uploading:?} {keep_free}"),
+            }
+        }
+        let config = CacheConfig { max_uploading: Some("30G".into()), keep_free: "10%".into(), ..CacheConfig::default() };
+        assert_eq!(config.limits().max_uploading, 30 << 30);
+        assert_eq!(config.keep_free(), cache::KeepFree::Percent(10));
+        assert_eq!(CacheConfig::default().limits().max_uploading, 20 << 30, "twice the largest entry");
+        assert_eq!(CacheConfig::default().storage(), None, "no directory unless the operator names one");
     }
 }

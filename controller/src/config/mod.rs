@@ -246,14 +246,18 @@ impl Config {
         self.gitea.label_policy()
     }
 
-    /// Where the jobs' cache keeps its entries: `[cache]`'s choice, by default beside the
-    /// embedded store; `None` when it is off (or, with JetStream, not configured).
+    /// Where the jobs' cache keeps its entries: `[cache]`'s choice; `None` when it is off
+    /// or not configured.
     pub fn cache_storage(&self) -> Option<CacheStorage> {
-        let store_dir = match &self.store {
+        self.cache.storage()
+    }
+
+    /// The embedded store's directory, if the store is embedded.
+    pub fn store_dir(&self) -> Option<&std::path::Path> {
+        match &self.store {
             StoreConfig::Embedded { path, .. } => path.parent(),
             StoreConfig::Jetstream { .. } => None,
-        };
-        self.cache.storage(store_dir)
+        }
     }
 
     pub fn rules(&self) -> crate::assignment::Rules {

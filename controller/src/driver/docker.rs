@@ -335,32 +335,28 @@ impl DockerDriver {
         let mut devices = None;
         let mut volumes = None;
         let mut unmasked = None;
-        let (cap_drop, security_opt) = match &self.rootless_seccomp {
-            _ if config.job_dockerd => {
-                env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
-                (config.cap_drop.clone(), config.security_opt.clone())
-            }
-            Some(profile) => {
-                env.extend(["SUPERVISOR_DOCKER_ROOTLESS=true".to_owned(), format!("SUPERVISOR_DOCKER_SOCKET={ROOTLESS_SOCKET}")]);
-                devices = Some(vec![bollard::models::DeviceMapping {
-                    path_on_host: Some("/dev/net/tun".into()),
-                    path_in_container: Some("/dev/net/tun".into()),
-                    cgroup_permissions: Some("rwm".into()),
-                }]);
-                volumes = Some(vec![ROOTLESS_DATA_ROOT.to_owned()]);
-                // Without no-new-privileges: newuidmap's file capability must work; the
-                // image has no setuid file that could raise a step to root instead.
-                // The CLI's `systempaths=unconfined`: an empty list of masked and read-only
-                // paths under /proc and /sys (the API has no such option).
-                unmasked = Some(Vec::new());
-                let confinement = [format!("seccomp={profile}"), "apparmor=unconfined".to_owned()];
-                (unneeded(), confinement.into_iter().chain(config.security_opt.iter().cloned()).collect())
-            }
-            None => {
-                env.push("SUPERVISOR_DOCKER=false".to_owned());
-                // No setuid binary may raise a step's privileges.
-                (unneeded(), std::iter::once("no-new-privileges".to_owned()).chain(config.security_opt.iter().cloned()).collect())
-            }
+        let (cap_drop, security_opt) = if config.job_dockerd {
+            env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
+            (config.cap_drop.clone(), config.security_opt.clone())
+        } else if let Some(profile) = &self.rootless_seccomp {
+            env.extend(["SUPERVISOR_DOCKER_ROOTLESS=true".to_owned(), format!("SUPERVISOR_DOCKER_SOCKET={ROOTLESS_SOCKET}")]);
+            devices = Some(vec![bollard::models::DeviceMapping {
+                path_on_host: Some("/dev/net/tun".into()),
+                path_in_container: Some("/dev/net/tun".into()),
+                cgroup_permissions: Some("rwm".into()),
+            }]);
+            volumes = Some(vec![ROOTLESS_DATA_ROOT.to_owned()]);
+            // The CLI's `systempaths=unconfined`: an empty list of masked and read-only
+            // paths under /proc and /sys (the API has no such option).
+            unmasked = Some(Vec::new());
+            // Without no-new-privileges: newuidmap's file capability must work; the
+            // image has no setuid file that could raise a step to root instead.
+            let confinement = [format!("seccomp={profile}"), "apparmor=unconfined".to_owned()];
+            (unneeded(), confinement.into_iter().chain(config.security_opt.iter().cloned()).collect())
+        } else {
+            env.push("SUPERVISOR_DOCKER=false".to_owned());
+            // No setuid binary may raise a step's privileges.
+            (unneeded(), std::iter::once("no-new-privileges".to_owned()).chain(config.security_opt.iter().cloned()).collect())
         };
         let host_config = HostConfig {
             memory: Some(memory),

@@ -15,7 +15,7 @@ use std::{
     task::{Context, Poll},
 };
 
-use ::cache::{Cache, Scope};
+use ::cache::{Cache, Scope, api::Call};
 use proto::{facade::v1::AssignmentCredential, runner::v1::Task};
 
 use super::{Facade, Peer};
@@ -36,20 +36,8 @@ impl CacheRoute {
     }
 }
 
-/// What a job is told where this controller keeps no cache: a restore misses quietly
-/// (204, `{"ok": false}`), a save is refused with the reason.
-fn no_cache(path: &str) -> ::cache::Response {
-    const WHY: &str = "this runner keeps no cache: its controller's [cache] is off (cache.enabled = false, or JetStream without cache.s3 or cache.dir)";
-    if path.ends_with("/_apis/artifactcache/cache") {
-        ::cache::http::empty(204)
-    } else if path.ends_with("/GetCacheEntryDownloadURL") {
-        ::cache::http::json(200, &serde_json::json!({ "ok": false }))
-    } else if path.contains("/twirp/") {
-        ::cache::http::json(400, &serde_json::json!({ "code": "failed_precondition", "msg": WHY }))
-    } else {
-        ::cache::http::message(400, WHY)
-    }
-}
+/// Why a job's cache does nothing here.
+const NO_CACHE: &str = "this runner keeps no cache: its controller's [cache] is off (cache.enabled = false, or no cache.dir nor [cache.s3])";
 
 impl tonic::server::NamedService for CacheRoute {
     const NAME: &'static str = "gdr.cache.v1.Cache";
@@ -75,12 +63,13 @@ impl tower::Service<http::Request<Body>> for CacheRoute {
 impl CacheRoute {
     async fn answer(&self, request: http::Request<Body>) -> ::cache::Response {
         let (mut parts, body) = request.into_parts();
-        let (scope, base) = match self.admit(&parts).await {
+        let path = parts.uri.path().strip_prefix(PREFIX).unwrap_or("/").to_owned();
+        let call = Call::of(&parts.method, &path);
+        let (scope, base) = match self.admit(&parts, &call).await {
             Ok(admitted) => admitted,
             Err((status, message)) => return ::cache::http::message(status, message),
         };
-        let Some(cache) = &self.cache else { return no_cache(parts.uri.path()) };
-        let path = parts.uri.path().strip_prefix(PREFIX).unwrap_or("/").to_owned();
+        let Some(cache) = &self.cache else { return call.without_cache(NO_CACHE) };
         let path_and_query = match parts.uri.query() {
             Some(query) => format!("{path}?{query}"),
             None => path,
@@ -89,11 +78,11 @@ impl CacheRoute {
             Ok(uri) => uri,
             Err(_) => return ::cache::http::message(400, "the request's path is not a URI"),
         };
-        cache.handle(&scope, &base, http::Request::from_parts(parts, body)).await
+        Arc::clone(cache).serve(scope, base, http::Request::from_parts(parts, body)).await
     }
 
     /// The job's scope, and the cache's URL as it reaches it; or why it may not ask.
-    async fn admit(&self, request: &http::request::Parts) -> Result<(Scope, String), (u16, String)> {
+    async fn admit(&self, request: &http::request::Parts, call: &Call) -> Result<(Scope, String), (u16, String)> {
         let peer = request.extensions.get::<Peer>().cloned().ok_or((401, "the transport established no peer identity".to_owned()))?;
         let header = |name: &str| request.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
         let credential = AssignmentCredential { assignment_id: header(HEADER_ASSIGNMENT), capability: header(HEADER_CAPABILITY) };
@@ -105,7 +94,7 @@ impl CacheRoute {
         }
         // The archive URLs the cache hands out are fetched and uploaded without the token
         // (the toolkit treats them as signed URLs): this connection is their credential.
-        let handed_out = ["/_apis/artifactcache/artifacts/", "/_apis/artifactcache/blobs/"].iter().any(|path| request.uri.path().contains(path));
+        let handed_out = call.is_handed_out();
         let bearer = header(http::header::AUTHORIZATION.as_str());
         let token = bearer.strip_prefix("Bearer ").unwrap_or("");
         // Compared as digests: how long the comparison takes says nothing of the token.
@@ -117,7 +106,7 @@ impl CacheRoute {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             return Err((400, format!("{HEADER_URL} must be the cache's URL as the job reaches it")));
         }
-        Ok((scope_of(&assignment.task), base))
+        Ok((scope_of(&assignment.task).for_job(assignment.id.clone()), base))
     }
 }
 

@@ -27,11 +27,6 @@ use super::{
     proxy::{bad_gateway, strip_hop_by_hop},
 };
 
-/// What the cache proxy sends on to the controller.
-fn is_cache(path: &str) -> bool {
-    path.starts_with("/_apis/artifactcache/") || path.starts_with("/twirp/github.actions.results.api.v1.CacheService/")
-}
-
 /// Serves the job's cache on `contract::cache::LISTEN` until `shutdown`; `gitea` answers
 /// what is not the cache.
 ///
@@ -56,7 +51,7 @@ fn handler(facade: FacadeClient, secret: Arc<String>, gitea: Fallback) -> Fallba
             match request.uri().path() {
                 "/_internal/register" => register(&request, &secret),
                 "/_internal/revoke" => json(StatusCode::OK, "{}"),
-                path if is_cache(path) => forward(&facade, request).await,
+                path if contract::cache::is_cache(path) => forward(&facade, request).await,
                 _ => gitea(request).await,
             }
         })
@@ -126,19 +121,4 @@ fn json(status: StatusCode, body: &str) -> Response<BoxBody> {
     *response.status_mut() = status;
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_the_cache_goes_to_the_controller() {
-        for path in ["/_apis/artifactcache/cache", "/_apis/artifactcache/caches/7", "/twirp/github.actions.results.api.v1.CacheService/CreateCacheEntry"] {
-            assert!(is_cache(path), "{path}");
-        }
-        for path in ["/twirp/github.actions.results.api.v1.ArtifactService/CreateArtifact", "/api/v1/repos/o/r", "/_apis/artifactcachex"] {
-            assert!(!is_cache(path), "{path}");
-        }
-    }
 }

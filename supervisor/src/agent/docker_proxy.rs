@@ -8,7 +8,7 @@
 //! included).
 
 use std::{
-    path::{Path, PathBuf},
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -23,20 +23,8 @@ use super::ready::Readiness;
 /// How often a waiting connection tries dockerd's socket.
 const RETRY: Duration = Duration::from_millis(10);
 
-/// Binds `listen` (a stale socket removed first), mode 0660: the runner and its group.
-///
-/// # Errors
-/// When the socket cannot be bound.
-pub fn bind(listen: &Path) -> std::io::Result<UnixListener> {
-    use std::os::unix::fs::PermissionsExt as _;
-    match std::fs::remove_file(listen) {
-        Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
-        _ => {}
-    }
-    let listener = UnixListener::bind(listen)?;
-    std::fs::set_permissions(listen, std::fs::Permissions::from_mode(0o660))?;
-    Ok(listener)
-}
+/// The socket's mode: the runner and its group.
+pub const SOCKET_MODE: u32 = 0o660;
 
 /// Relays every connection on `listener` to `upstream` once it takes connections, for up
 /// to `patience` from the connection's arrival — none once `readiness` says dockerd
@@ -82,7 +70,11 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
-    use crate::agent::ready::Status;
+    use crate::agent::{bind_unix, ready::Status};
+
+    fn bind(socket: &std::path::Path) -> UnixListener {
+        bind_unix(socket, SOCKET_MODE).unwrap()
+    }
 
     fn readiness(docker: Status) -> (watch::Sender<Readiness>, watch::Receiver<Readiness>) {
         watch::channel(Readiness { identity: Status::Off, docker })
@@ -95,7 +87,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (public, upstream) = (dir.path().join("docker.sock"), dir.path().join("dockerd.sock"));
         let (_starting, watched) = readiness(Status::Starting(String::new()));
-        let proxy = tokio::spawn(serve(bind(&public).unwrap(), upstream.clone(), Duration::from_secs(5), watched));
+        let proxy = tokio::spawn(serve(bind(&public), upstream.clone(), Duration::from_secs(5), watched));
         let mut early = UnixStream::connect(&public).await.unwrap();
         early.write_all(b"GET /_ping HTTP/1.0\r\n\r\n").await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -113,7 +105,7 @@ mod tests {
 
         for (status, patience) in [(Status::Starting(String::new()), Duration::from_millis(100)), (Status::Failed("no".into()), Duration::from_secs(3600))] {
             let (_kept, watched) = readiness(status);
-            let closing = tokio::spawn(serve(bind(&public).unwrap(), dir.path().join("never.sock"), patience, watched));
+            let closing = tokio::spawn(serve(bind(&public), dir.path().join("never.sock"), patience, watched));
             let mut late = UnixStream::connect(&public).await.unwrap();
             let mut nothing = Vec::new();
             let read = tokio::time::timeout(Duration::from_secs(5), late.read_to_end(&mut nothing)).await;

@@ -57,6 +57,21 @@ fn start() -> Result<u8, AgentError> {
     runtime.block_on(run_with(config))
 }
 
+/// Listens on `socket` (replacing a stale one) with permissions `mode`.
+///
+/// # Errors
+/// When the old socket cannot be removed or the new one bound.
+pub fn bind_unix(socket: &std::path::Path, mode: u32) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt as _;
+    match std::fs::remove_file(socket) {
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
+        _ => {}
+    }
+    let listener = tokio::net::UnixListener::bind(socket)?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(mode))?;
+    Ok(listener)
+}
+
 /// The agent's life with `config`: readiness, the job, then tidying up.
 async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
     let initial = Readiness {
@@ -68,7 +83,7 @@ async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
     };
     let (state, readiness) = watch::channel(initial);
     let mut signals = Signals::new().map_err(AgentError::Signals)?;
-    let listener = ready::bind(&config.socket).map_err(|source| AgentError::ReadinessSocket { socket: config.socket.clone(), source })?;
+    let listener = bind_unix(&config.socket, ready::SOCKET_MODE).map_err(|source| AgentError::ReadinessSocket { socket: config.socket.clone(), source })?;
     // Each time the job-started hook is let through, for the facade's timeline.
     let (hook_passed, mut hook_passes) = mpsc::unbounded_channel();
     let server = tokio::spawn(ready::serve(listener, readiness.clone(), hook_passed));
@@ -91,7 +106,8 @@ async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
         });
     }
     if let Some(proxy) = &config.docker_proxy {
-        let listener = docker_proxy::bind(&proxy.listen).map_err(|source| AgentError::DockerSocket { socket: proxy.listen.clone(), source })?;
+        let listener =
+            bind_unix(&proxy.listen, docker_proxy::SOCKET_MODE).map_err(|source| AgentError::DockerSocket { socket: proxy.listen.clone(), source })?;
         let listening = format!("{} takes connections; the rootless dockerd starts behind it", proxy.listen.display());
         state.send_modify(|r| r.docker = Status::Starting(listening));
         tasks.spawn(docker_proxy::serve(listener, proxy.upstream.clone(), Duration::from_millis(proxy.patience_ms), readiness.clone()));

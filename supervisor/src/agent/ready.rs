@@ -98,22 +98,9 @@ pub struct Request {
     pub wait_ms: u64,
 }
 
-/// Listens on `socket` (replacing a stale one), readable by the runner uid alone.
-///
-/// # Errors
-/// When the old socket cannot be removed or the new one bound.
-pub fn bind(socket: &Path) -> std::io::Result<UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
-    match std::fs::remove_file(socket) {
-        Ok(()) => {}
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-        Err(error) => return Err(error),
-    }
-    let listener = UnixListener::bind(socket)?;
-    // It answers readiness only; a `container:` job's image may run the hook as any user.
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666))?;
-    Ok(listener)
-}
+/// The readiness socket's mode: it answers readiness only, and a `container:` job's
+/// image may run the hook as any user.
+pub const SOCKET_MODE: u32 = 0o666;
 
 /// Answers every request on `listener` from `readiness`; `passed` hears of each answer
 /// that let the hook through.

@@ -66,6 +66,14 @@ struct Supervisor {
 /// Stop preparing: the agent ended or SIGTERM arrived.
 struct Interrupted;
 
+/// What PID 1 prepared for the job's dockerd before the agent started.
+enum DockerPrep {
+    /// The socket a root dockerd is handed (`supervisor activate`).
+    Root(Result<UnixListener, String>),
+    /// A rootless dockerd's runtime directory; the agent serves its socket there.
+    Rootless(Result<PathBuf, String>),
+}
+
 /// How starting the job's dockerd ended; each ends PID 1's reports to the agent (a
 /// [`DockerReport`]).
 enum DockerStart {
@@ -95,19 +103,23 @@ impl Supervisor {
             return exit::INTERNAL;
         }
         // dockerd's socket before anything of the job runs: a `docker` call then waits
-        // for dockerd instead of failing, so no step waits for it (pid1::dockerd).
-        let socket = (self.settings.docker && !self.settings.docker_rootless).then(|| {
-            let path = &self.settings.docker_socket;
-            dockerd::bind_socket(path, self.settings.user.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()))
-        });
-        // A rootless dockerd's directories before the agent, which serves its socket there.
-        let rootless_dirs = self.settings.docker_rootless.then(|| self.prepare_rootless_dirs());
+        // for dockerd instead of failing, so no step waits for it (pid1::dockerd). A
+        // rootless dockerd's directories before the agent, which serves its socket there.
+        let prep = match (self.settings.docker, self.settings.docker_rootless) {
+            (false, _) => None,
+            (true, true) => Some(DockerPrep::Rootless(self.prepare_rootless_dirs())),
+            (true, false) => {
+                let path = &self.settings.docker_socket;
+                let bound = dockerd::bind_socket(path, self.settings.user.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()));
+                Some(DockerPrep::Root(bound))
+            }
+        };
         let report = match self.start_agent(&agent_dir) {
             Ok(report) => report,
             Err(code) => return code,
         };
         if let Some(report) = report {
-            self.start_docker_and_report(fs::File::from(report), socket, rootless_dirs, started);
+            self.start_docker_and_report(fs::File::from(report), prep, started);
         }
         self.supervise();
         self.drain();
@@ -116,27 +128,20 @@ impl Supervisor {
         code
     }
 
-    /// dockerd behind `socket` (when there is one), each step reported to the agent on
-    /// `pipe`. The agent may already be gone; that is handled by the event loop.
-    fn start_docker_and_report(
-        &mut self,
-        mut pipe: fs::File,
-        socket: Option<Result<UnixListener, String>>,
-        rootless_dirs: Option<Result<PathBuf, String>>,
-        started: Instant,
-    ) {
+    /// dockerd from what `prep` made ready (when there is one), each step reported to the
+    /// agent on `pipe`. The agent may already be gone; that is handled by the event loop.
+    fn start_docker_and_report(&mut self, mut pipe: fs::File, prep: Option<DockerPrep>, started: Instant) {
         let mut report = |report: DockerReport| {
             let _ = pipe.write_all(report.to_line().as_bytes());
         };
-        if let Some(Ok(_)) = &socket {
+        if let Some(DockerPrep::Root(Ok(_))) = &prep {
             report(DockerReport::Listening(format!("{} takes connections; dockerd starts behind it", self.settings.docker_socket.display())));
         }
-        let outcome = match (socket, rootless_dirs) {
-            (_, Some(Ok(runtime_dir))) => self.start_rootless_docker(&runtime_dir),
-            (_, Some(Err(reason))) => DockerStart::Failed(reason),
-            (Some(Ok(listener)), None) => self.start_docker(listener),
-            (Some(Err(reason)), None) => DockerStart::Failed(reason),
-            (None, None) => DockerStart::Failed("dockerd is off".to_owned()),
+        let outcome = match prep {
+            Some(DockerPrep::Root(Ok(listener))) => self.start_docker(listener),
+            Some(DockerPrep::Rootless(Ok(runtime_dir))) => self.start_rootless_docker(&runtime_dir),
+            Some(DockerPrep::Root(Err(reason)) | DockerPrep::Rootless(Err(reason))) => DockerStart::Failed(reason),
+            None => DockerStart::Failed("dockerd is off".to_owned()),
         };
         match &outcome {
             DockerStart::Ready(detail) => tracing::info!(elapsed = ?started.elapsed(), "dockerd ready: {detail}"),

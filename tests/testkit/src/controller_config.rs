@@ -18,7 +18,7 @@ impl ControllerConfig {
     /// token (written there now), a capability key (written once, 0600, so a restarted
     /// controller keeps it), the runners' credentials, an embedded store, trust domain
     /// example.org, the facade's environment sockets in `dir/environments`, HTTP on a
-    /// free port, and FetchTask every 100 ms. No pool and no driver yet.
+    /// free port, the jobs' cache in `dir/cache`, and FetchTask every 100 ms. No pool and no driver yet.
     pub fn new(dir: &Path, gitea_url: &str, registration_token: &str) -> ControllerConfig {
         std::fs::write(dir.join("registration-token"), registration_token).unwrap();
         let key = dir.join("capability.key");
@@ -38,6 +38,7 @@ impl ControllerConfig {
             .set("facade.capability_key_file", file("capability.key"))
             .set("facade.environment_socket_dir", file("environments"))
             .set("http.listen", "127.0.0.1:0")
+            .set("cache.dir", file("cache"))
     }
 
     /// Sets `section.key` (or a deeper dotted path), making the tables on the way.
@@ -63,11 +64,12 @@ impl ControllerConfig {
         self
     }
 
-    /// The JetStream store at `url` instead of the embedded one.
+    /// The JetStream store at `url` instead of the embedded one (and, as several
+    /// controllers on one store would need a directory they all see, no cache).
     #[must_use]
     pub fn jetstream(mut self, url: &str) -> ControllerConfig {
         self.doc.insert("store".into(), Value::Table(Table::new()));
-        self.set("store.kind", "jetstream").set("store.url", url)
+        self.set("store.kind", "jetstream").set("store.url", url).unset("cache.dir")
     }
 
     /// Adds a `[[pool]]`.

@@ -16,6 +16,11 @@ use testkit::{
 /// Gitea on the Docker host's bridge, so environments reach it; a repository; a
 /// controller with the runner image of `variant`. Holds the Docker host's turn.
 async fn setup(name: &str, variant: &str, capacity: usize) -> (Gitea, Repo, Controller, tokio::sync::MutexGuard<'static, ()>) {
+    setup_with(name, variant, |options| options.capacity = capacity).await
+}
+
+/// [`setup`] with the controller's options as `adjust` leaves them.
+async fn setup_with(name: &str, variant: &str, adjust: impl FnOnce(&mut Options)) -> (Gitea, Repo, Controller, tokio::sync::MutexGuard<'static, ()>) {
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image(variant);
@@ -23,7 +28,7 @@ async fn setup(name: &str, variant: &str, capacity: usize) -> (Gitea, Repo, Cont
     let repo = gitea.create_repo(name).await;
     let token = gitea.runner_registration_token().await;
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
-    options.capacity = capacity;
+    adjust(&mut options);
     let controller = Controller::start(options).await;
     (gitea, repo, controller, turn)
 }
@@ -352,15 +357,7 @@ async fn no_runner_credential_enters_an_environment() {
 /// the docker daemon running?"; what needs no daemon still works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_calling_docker_where_there_is_none_is_told_why() {
-    let turn = e2e::exclusive().await;
-    let docker = host();
-    let image = docker.image("gitea-runner");
-    let gitea = Gitea::start(GiteaOptions { bind: docker.bridge_ip.into(), ..GiteaOptions::default() }).await;
-    let repo = gitea.create_repo("no-docker").await;
-    let token = gitea.runner_registration_token().await;
-    let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
-    options.job_dockerd = false;
-    let mut controller = Controller::start(options).await;
+    let (gitea, repo, mut controller, turn) = setup_with("no-docker", "gitea-runner", |options| options.job_dockerd = false).await;
     let workflow = "name: no-docker\non: push\njobs:\n  build:\n    runs-on: [disposable, container, docker]\n    steps:\n      - run: docker --version\n      - run: docker build -t app .\n";
     gitea.commit_workflow(&repo, "no-docker.yml", workflow).await;
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| finished(t, 1)).await;
