@@ -34,6 +34,16 @@ pub enum Command {
         #[arg(long, env = "GDR_CONFIG", value_name = "FILE")]
         config: PathBuf,
     },
+    /// Ask the running controller of this configuration for /readyz or /healthz on its
+    /// `[http]` listener and exit 0 if it answers 200: the Kubernetes probe where that
+    /// listener is kept off the Pod network (loopback).
+    Probe {
+        #[arg(long, env = "GDR_CONFIG", value_name = "FILE")]
+        config: PathBuf,
+        /// `readyz` or `healthz`.
+        #[arg(value_parser = ["readyz", "healthz"])]
+        check: String,
+    },
     /// Print the version and the protocols this build speaks.
     Version,
 }

@@ -29,6 +29,12 @@ pub fn run(cli: cli::Cli, build: Build) -> anyhow::Result<ExitCode> {
             runtime.block_on(app::register(&config))?;
             Ok(ExitCode::SUCCESS)
         }
+        cli::Command::Probe { config, check } => {
+            let Some(config) = load_config(&config) else { return Ok(ExitCode::from(exit::USAGE)) };
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(probe(&config, &check))?;
+            Ok(ExitCode::SUCCESS)
+        }
         cli::Command::Run { config, components } => {
             let Some(config) = load_config(&config) else { return Ok(ExitCode::from(exit::USAGE)) };
             let components = match app::Components::parse(&components) {
@@ -50,6 +56,25 @@ pub fn run(cli: cli::Cli, build: Build) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `GET /<check>` on the controller's own `[http]` listener (its unspecified address
+/// reached as loopback).
+async fn probe(config: &config::Config, check: &str) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let listen: std::net::SocketAddr = config.http.listen.parse().with_context(|| format!("http.listen {:?} is not an address", config.http.listen))?;
+    let host = match listen.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    let url = format!("http://{}/{check}", std::net::SocketAddr::new(host, listen.port()));
+    let client = reqwest::Client::builder().timeout(std::time::Duration::from_secs(5)).build()?;
+    let response = client.get(&url).send().await.with_context(|| format!("no answer from {url}: is the controller running?"))?;
+    let status = response.status();
+    let body = response.text().await.unwrap_or_default();
+    anyhow::ensure!(status.is_success(), "{url} answered {status}: {}", body.trim());
+    Ok(())
 }
 
 /// The configuration with GDR_* overrides, or `None` after printing what is wrong.

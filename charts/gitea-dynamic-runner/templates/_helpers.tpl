@@ -38,3 +38,8 @@ ServiceMonitor or the webhook, so job Pods do not reach it otherwise. */}}
 {{- define "gdr.exposeHttp" -}}
 {{- if or .Values.gitea.webhook (include "gdr.serviceMonitor" .) }}true{{ end -}}
 {{- end -}}
+
+{{/* The jobs' cache in a directory of its own volume: the embedded store without a bucket. */}}
+{{- define "gdr.cacheVolume" -}}
+{{- if and .Values.cache.enabled (eq .Values.store.kind "embedded") (not .Values.cache.s3.bucket) }}true{{ end -}}
+{{- end -}}

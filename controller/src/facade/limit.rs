@@ -13,6 +13,10 @@ use std::{
 pub const REPORTS_PER_SECOND: f64 = 20.0;
 /// Reports an assignment may send at once (a runner catching up after a pause).
 pub const REPORTS_BURST: f64 = 200.0;
+/// Log bytes per second and assignment, sustained: a verbose build writes far less.
+pub const LOG_BYTES_PER_SECOND: f64 = 1024.0 * 1024.0;
+/// Log bytes an assignment may send at once.
+pub const LOG_BYTES_BURST: f64 = 32.0 * 1024.0 * 1024.0;
 /// Buckets kept before idle ones are dropped.
 const MAX_BUCKETS: usize = 10_000;
 
@@ -36,10 +40,15 @@ impl PerAssignment {
 
     /// Whether `assignment_id` may send one more report now.
     pub fn admit(&self, assignment_id: &str) -> bool {
-        self.admit_at(assignment_id, Instant::now())
+        self.admit_at(assignment_id, 1.0, Instant::now())
     }
 
-    fn admit_at(&self, assignment_id: &str, now: Instant) -> bool {
+    /// Whether `assignment_id` may send `cost` more (bytes) now.
+    pub fn admit_cost(&self, assignment_id: &str, cost: f64) -> bool {
+        self.admit_at(assignment_id, cost, Instant::now())
+    }
+
+    fn admit_at(&self, assignment_id: &str, cost: f64, now: Instant) -> bool {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
         if buckets.len() >= MAX_BUCKETS && !buckets.contains_key(assignment_id) {
             // A full bucket is as good as none: drop those that refilled.
@@ -49,8 +58,10 @@ impl PerAssignment {
         let bucket = buckets.entry(assignment_id.to_owned()).or_insert(Bucket { tokens: self.burst, at: now });
         bucket.tokens = (bucket.tokens + now.duration_since(bucket.at).as_secs_f64() * self.per_second).min(self.burst);
         bucket.at = now;
-        if bucket.tokens >= 1.0 {
-            bucket.tokens -= 1.0;
+        // More than the burst at once is admitted from a full bucket (else never), and
+        // leaves it owing.
+        if bucket.tokens >= cost.min(self.burst) {
+            bucket.tokens -= cost;
             true
         } else {
             false
@@ -68,12 +79,16 @@ mod tests {
     fn a_burst_then_the_sustained_rate_per_assignment() {
         let limit = PerAssignment::new(10.0, 5.0);
         let start = Instant::now();
-        let admitted = (0..20).filter(|_| limit.admit_at("a", start)).count();
+        let admitted = (0..20).filter(|_| limit.admit_at("a", 1.0, start)).count();
         assert_eq!(admitted, 5, "the burst");
-        assert!(limit.admit_at("b", start), "another assignment has its own bucket");
-        assert!(!limit.admit_at("a", start + Duration::from_millis(50)), "half a token");
-        assert!(limit.admit_at("a", start + Duration::from_millis(110)));
+        assert!(limit.admit_at("b", 1.0, start), "another assignment has its own bucket");
+        assert!(!limit.admit_at("a", 1.0, start + Duration::from_millis(50)), "half a token");
+        assert!(limit.admit_at("a", 1.0, start + Duration::from_millis(110)));
         let later = start + Duration::from_secs(10);
-        assert_eq!((0..20).filter(|_| limit.admit_at("a", later)).count(), 5, "refilled to the burst, no more");
+        assert_eq!((0..20).filter(|_| limit.admit_at("a", 1.0, later)).count(), 5, "refilled to the burst, no more");
+        // Costs (log bytes): more than the burst passes once from a full bucket, then owes.
+        assert!(limit.admit_at("c", 12.0, start));
+        assert!(!limit.admit_at("c", 1.0, start + Duration::from_millis(500)), "owes 7, refilled 5");
+        assert!(limit.admit_at("c", 1.0, start + Duration::from_millis(900)));
     }
 }

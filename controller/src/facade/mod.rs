@@ -103,6 +103,9 @@ pub struct Facade {
     /// Reports per assignment: one environment cannot flood the controller every
     /// environment shares, nor Gitea behind it.
     reports: limit::PerAssignment,
+    /// Log bytes per assignment: a job printing without end slows down, its neighbours'
+    /// logs do not.
+    log_bytes: limit::PerAssignment,
     /// The jobs' cache, served on the facade's transport (`cache`), when configured.
     cache: Option<Arc<::cache::Cache>>,
 }
@@ -123,8 +126,13 @@ impl Facade {
             metrics: None,
             session_ttl: std::time::Duration::from_secs(24 * 3600),
             reports: limit::PerAssignment::new(limit::REPORTS_PER_SECOND, limit::REPORTS_BURST),
+            log_bytes: limit::PerAssignment::new(limit::LOG_BYTES_PER_SECOND, limit::LOG_BYTES_BURST),
             cache: None,
         }
+    }
+
+    pub(crate) fn metrics(&self) -> Option<&Arc<crate::metrics::Metrics>> {
+        self.metrics.as_ref()
     }
 
     /// Serves `cache` to the environments on the facade's transport.
@@ -344,7 +352,14 @@ impl Facade {
 
     pub async fn update_log(&self, peer: &Peer, request: UpdateLogRequest) -> Result<UpdateLogResponse, Status> {
         let inner = request.request.ok_or_else(|| Status::invalid_argument("request is required"))?;
-        let (_, _, reports) = self.reporting(peer, request.credential.as_ref(), inner.task_id).await?;
+        let (_, assignment, reports) = self.reporting(peer, request.credential.as_ref(), inner.task_id).await?;
+        let bytes: usize = inner.rows.iter().map(|row| row.content.len()).sum();
+        if !self.log_bytes.admit_cost(&assignment.id, bytes as f64) {
+            if let Some(metrics) = &self.metrics {
+                metrics.error("log_rate_limited");
+            }
+            return Err(Status::resource_exhausted(format!("{} logs faster than {} MiB/s; slow down", assignment.id, limit::LOG_BYTES_PER_SECOND / 1048576.0)));
+        }
         let response = gitea::update_log_in_pieces(reports.as_ref(), &inner).await.map_err(gitea_status)?;
         Ok(UpdateLogResponse { response: Some(response) })
     }

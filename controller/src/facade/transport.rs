@@ -1,9 +1,16 @@
 //! The facade's listeners: unix sockets (one per environment, see `sockets`; a shared one
 //! for tests), TCP with SPIFFE mTLS (the peer's SPIFFE ID is attached to every request and
 //! checked against the assignment's identity per call) and the development mode's plain
-//! TCP. Every listener feeds one server loop ([`serve_connections`]).
+//! TCP. Every listener feeds one server loop ([`serve_connections`]), which bounds what
+//! one peer may hold: [`MAX_CONNECTIONS_PER_PEER`] connections, [`MAX_STREAMS`] requests
+//! at once on each, [`REQUEST_TIMEOUT`] per request, and a connection that stops
+//! answering HTTP/2 pings is closed.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use super::{Facade, Peer};
 
@@ -13,11 +20,73 @@ use super::{Facade, Peer};
 pub struct Authenticated<S> {
     stream: S,
     peer: Peer,
+    /// Its place among its peer's connections, until it closes.
+    _slot: Option<Slot>,
 }
 
 impl<S> Authenticated<S> {
     pub fn new(stream: S, peer: Peer) -> Self {
-        Authenticated { stream, peer }
+        Authenticated { stream, peer, _slot: None }
+    }
+}
+
+/// Connections one peer (an environment, a SPIFFE ID, an address) may hold at once: a
+/// supervisor needs two or three.
+pub const MAX_CONNECTIONS_PER_PEER: usize = 16;
+/// Requests in progress at once on one connection (HTTP/2 streams).
+pub const MAX_STREAMS: u32 = 64;
+/// How long one request may take, its body included (a cache chunk of 32 MiB on a slow
+/// link takes seconds; a request parked for longer is abandoned).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+/// HTTP/2 pings on an idle connection, and how long an answer may take before the
+/// connection is closed: a peer that vanished gives its resources back.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Connections open, by peer.
+#[derive(Debug, Default)]
+struct PeerConnections(Mutex<HashMap<String, usize>>);
+
+/// One connection of a peer, counted until dropped.
+#[derive(Debug)]
+struct Slot {
+    connections: Arc<PeerConnections>,
+    peer: String,
+}
+
+impl PeerConnections {
+    fn counts(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A slot for `peer`, or `None` when it holds as many connections as it may. The
+    /// shared test socket (every caller the same `Local` peer) is not counted.
+    fn take(self: &Arc<Self>, peer: &Peer) -> Option<Option<Slot>> {
+        let key = match peer {
+            Peer::Local => return Some(None),
+            Peer::Spiffe(id) => id.clone(),
+            Peer::Environment { assignment_id } => format!("environment {assignment_id}"),
+            Peer::Address(address) => address.to_string(),
+        };
+        let mut counts = self.counts();
+        let count = counts.entry(key.clone()).or_default();
+        if *count >= MAX_CONNECTIONS_PER_PEER {
+            return None;
+        }
+        *count += 1;
+        Some(Some(Slot { connections: Arc::clone(self), peer: key }))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut counts = self.connections.counts();
+        if let Some(count) = counts.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.peer);
+            }
+        }
     }
 }
 
@@ -67,7 +136,7 @@ pub async fn serve_unix(facade: Arc<Facade>, path: &std::path::Path, shutdown: t
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
         .map_err(|source| FacadeError::Bind { address: path.display().to_string(), source })?;
     let incoming = futures_util::stream::unfold(listener, |listener| async move {
-        let accepted = listener.accept().await.map(|(stream, _)| Authenticated { stream, peer: Peer::Local });
+        let accepted = listener.accept().await.map(|(stream, _)| Authenticated::new(stream, Peer::Local));
         Some((accepted, listener))
     });
     serve_connections(facade, incoming, shutdown).await
@@ -89,7 +158,7 @@ pub async fn serve_insecure_tcp(
     let incoming = futures_util::stream::unfold(listener, |listener| async move {
         let accepted = listener.accept().await.map(|(stream, address)| {
             let _ = stream.set_nodelay(true);
-            Authenticated { stream, peer: Peer::Address(address.ip()) }
+            Authenticated::new(stream, Peer::Address(address.ip()))
         });
         Some((accepted, listener))
     });
@@ -110,11 +179,36 @@ where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
 {
     let cache = facade.cache_route();
+    let connections = Arc::new(PeerConnections::default());
+    let metrics = facade.metrics().cloned();
+    let incoming = futures_util::StreamExt::filter_map(incoming, move |accepted| {
+        let admitted = match accepted {
+            Ok(mut connection) => match connections.take(&connection.peer) {
+                Some(slot) => {
+                    connection._slot = slot;
+                    Some(Ok(connection))
+                }
+                None => {
+                    tracing::warn!(peer = ?connection.peer, "facade connection refused: its peer holds {MAX_CONNECTIONS_PER_PEER} connections already");
+                    if let Some(metrics) = &metrics {
+                        metrics.error("facade_connections_per_peer");
+                    }
+                    None
+                }
+            },
+            Err(error) => Some(Err(error)),
+        };
+        std::future::ready(admitted)
+    });
     tonic::transport::Server::builder()
         // An archive streams through one connection with the reports: windows large
         // enough that a cache download is not a trickle of 64 KiB round trips.
         .initial_stream_window_size(Some(STREAM_WINDOW))
         .initial_connection_window_size(Some(CONNECTION_WINDOW))
+        .max_concurrent_streams(Some(MAX_STREAMS))
+        .timeout(REQUEST_TIMEOUT)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .layer(tower::util::MapResponseLayer::new(oversize_is_resource_exhausted))
         .add_service(facade.service())
         .add_service(cache)
@@ -190,7 +284,7 @@ pub async fn serve_mtls(
                     .and_then(|leaf| spiffe::cert::spiffe_id_from_der(leaf.as_ref()).ok());
                 match peer {
                     Some(id) => {
-                        let _ = sender.send(Ok(Authenticated { stream, peer: Peer::Spiffe(id.to_string()) })).await;
+                        let _ = sender.send(Ok(Authenticated::new(stream, Peer::Spiffe(id.to_string())))).await;
                     }
                     None => tracing::warn!(%address, "facade client presented no X.509 SVID"),
                 }

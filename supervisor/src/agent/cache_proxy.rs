@@ -78,8 +78,12 @@ fn node_speaks_v2() -> bool {
     *ANSWER.get_or_init(|| {
         // From stdin, as a script runs: `node -e` would give it the crypto module as a
         // global that a script does not see.
+        // With nothing of the agent's environment: the probe is dumpable, its environ
+        // readable by a step.
         let probe = std::process::Command::new("node")
             .arg("-")
+            .env_clear()
+            .envs(["PATH", "HOME"].into_iter().filter_map(|name| std::env::var_os(name).map(|value| (name, value))))
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

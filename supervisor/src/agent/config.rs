@@ -48,8 +48,6 @@ pub struct FacadeSettings {
     pub labels: Vec<String>,
     /// gitea-runner's working directory, where `.runner` is written.
     pub runner_dir: PathBuf,
-    /// Keeps the claim's holder id across agent restarts.
-    pub holder_file: PathBuf,
     /// Gitea as this environment reaches it: the loopback passes every request that is
     /// not the runner protocol there.
     #[serde(default)]

@@ -31,12 +31,10 @@ pub enum AgentError {
     Identity(String),
     #[error("the job's dockerd failed: {0}")]
     Docker(String),
-    #[error("{CAPABILITY_ENV} is not set; the driver injects it with the assignment")]
+    #[error("no capability: PID 1 hands it over on fd 4 (from {CAPABILITY_ENV} or the file the driver names); started by hand, set {CAPABILITY_ENV}")]
     NoCapability,
     #[error("cannot reach the controller's facade")]
     Facade(#[source] FacadeClientError),
-    #[error("cannot keep the holder id in {}", .file.display())]
-    Holder { file: PathBuf, source: std::io::Error },
     #[error("cannot claim the task")]
     Claim(#[source] FacadeClientError),
     #[error("no randomness for the local runner token")]
@@ -69,7 +67,6 @@ impl AgentError {
             | AgentError::Signals(_)
             | AgentError::ReadinessSocket { .. }
             | AgentError::ReadinessLost
-            | AgentError::Holder { .. }
             | AgentError::Randomness(_)
             | AgentError::Loopback(_)
             | AgentError::RunnerFile { .. }
@@ -103,7 +100,6 @@ mod tests {
             (AgentError::Signals(io()), exit::INTERNAL),
             (AgentError::ReadinessSocket { socket: "/run/s".into(), source: io() }, exit::INTERNAL),
             (AgentError::ReadinessLost, exit::INTERNAL),
-            (AgentError::Holder { file: "/h".into(), source: io() }, exit::INTERNAL),
             (AgentError::Randomness(io()), exit::INTERNAL),
             (AgentError::Loopback(io()), exit::INTERNAL),
             (AgentError::RunnerFile { dir: "/r".into(), source: io() }, exit::INTERNAL),

@@ -17,6 +17,7 @@ use std::{path::Path, time::Duration};
 use tokio::sync::{mpsc, watch};
 
 pub mod cache_proxy;
+pub mod capability;
 pub mod config;
 pub mod docker_proxy;
 pub mod docker_report;
@@ -29,6 +30,7 @@ pub mod proxy;
 pub mod ready;
 
 pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, DockerProxy, FacadeSettings, IdentitySettings};
+pub use capability::CAPABILITY_FD;
 pub use docker_report::DOCKER_FD;
 pub use error::AgentError;
 use job::Signals;
@@ -53,8 +55,9 @@ fn start() -> Result<u8, AgentError> {
     nix::sys::prctl::set_dumpable(false).map_err(AgentError::NotDumpable)?;
     let config = std::env::var(CONFIG_ENV).map_err(|e| AgentError::Config(e.to_string()))?;
     let config: AgentConfig = serde_json::from_str(&config).map_err(|e| AgentError::Config(e.to_string()))?;
+    let capability = capability::take();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(AgentError::Runtime)?;
-    runtime.block_on(run_with(config))
+    runtime.block_on(run_with(config, capability))
 }
 
 /// Listens on `socket` (replacing a stale one) with permissions `mode`.
@@ -73,7 +76,7 @@ pub fn bind_unix(socket: &std::path::Path, mode: u32) -> std::io::Result<tokio::
 }
 
 /// The agent's life with `config`: readiness, the job, then tidying up.
-async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
+async fn run_with(config: AgentConfig, capability: Option<String>) -> Result<u8, AgentError> {
     let initial = Readiness {
         identity: match &config.identity {
             Some(_) => Status::Waiting("not asked yet".into()),
@@ -132,7 +135,7 @@ async fn run_with(config: AgentConfig) -> Result<u8, AgentError> {
             Some(facade) => {
                 use tracing::Instrument as _;
                 let span = tracing::info_span!("assignment", assignment.id = %facade.assignment_id);
-                serve_the_runner(&config, facade, readiness.clone(), &mut hook_passes, &mut signals).instrument(span).await
+                serve_the_runner(&config, facade, capability.clone(), readiness.clone(), &mut hook_passes, &mut signals).instrument(span).await
             }
         }
     }
@@ -182,12 +185,13 @@ async fn wait_until_ready(config: &AgentConfig, mut readiness: watch::Receiver<R
 async fn serve_the_runner(
     config: &AgentConfig,
     facade: &FacadeSettings,
+    capability: Option<String>,
     readiness: watch::Receiver<Readiness>,
     hook_passes: &mut mpsc::UnboundedReceiver<()>,
     signals: &mut Signals,
 ) -> Result<u8, AgentError> {
     use proto::facade::v1::Phase;
-    let capability = std::env::var(CAPABILITY_ENV).map_err(|_| AgentError::NoCapability)?;
+    let capability = capability.ok_or(AgentError::NoCapability)?;
     let endpoint = config.identity.as_ref().map(|i| i.endpoint.clone());
     let own_id = config.identity.as_ref().map(|i| i.spiffe_id.as_str());
     let mut client =
@@ -197,7 +201,8 @@ async fn serve_the_runner(
     if config.identity.is_some() {
         client.report(Phase::IdentityReady, "", 0).await;
     }
-    let holder = holder(&facade.holder_file).map_err(|source| AgentError::Holder { file: facade.holder_file.clone(), source })?;
+    // Kept in memory only: a step that learnt it could claim as this agent.
+    let holder = loopback::random_hex(24).map_err(AgentError::Randomness)?;
     let facade_client::Claimed { task, gitea_capabilities } = match client.claim(&holder, Duration::from_secs(120)).await {
         Ok(claimed) => claimed,
         Err(error) => {
@@ -293,18 +298,6 @@ async fn serve_the_cache(
             Ok(None)
         }
     }
-}
-
-/// A random holder id, kept in `file` so that a restarted agent claims as the same holder.
-fn holder(file: &Path) -> std::io::Result<String> {
-    if let Ok(existing) = std::fs::read_to_string(file)
-        && existing.trim().len() >= 16
-    {
-        return Ok(existing.trim().to_owned());
-    }
-    let holder = loopback::random_hex(24)?;
-    write_private(file, holder.as_bytes())?;
-    Ok(holder)
 }
 
 fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {

@@ -24,7 +24,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use nix::{fcntl::OFlag, sys::signal::Signal, unistd::Pid};
+use nix::{sys::signal::Signal, unistd::Pid};
 
 use super::{
     Event, Pid1, Settings, cgroup,
@@ -207,7 +207,6 @@ impl Supervisor {
                 assignment_id: settings.assignment_id.clone().unwrap_or_default(),
                 labels: settings.runner_labels.clone(),
                 runner_dir: settings.runner_dir.clone(),
-                holder_file: agent_dir.join("holder"),
                 gitea_url: settings.gitea_url.clone(),
                 hooks: settings.runner_hooks,
             }),
@@ -219,19 +218,38 @@ impl Supervisor {
         let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
         let mut command = Command::new(exe);
         command.arg("agent").env(agent::CONFIG_ENV, json).env("HOME", &settings.user.home).env("USER", "runner").stdin(Stdio::inherit());
-        // A capability handed over as a file (the docker driver) is read and removed
-        // before anything of the job runs; only the agent gets it.
-        command.env_remove(contract::environment::CAPABILITY_FILE);
-        if let Some(file) = contract::environment::Contract::from_process_env().capability_file {
-            let capability = fs::read_to_string(&file).and_then(|capability| fs::remove_file(&file).map(|()| capability)).map_err(|error| {
+        // The capability — a file the docker driver names (read and removed before
+        // anything of the job runs), or PID 1's own environment (Pods, sandboxes) — goes
+        // to the agent on a pipe (agent::CAPABILITY_FD), never in an environment a child
+        // would inherit.
+        command.env_remove(contract::environment::CAPABILITY_FILE).env_remove(agent::CAPABILITY_ENV);
+        let capability = match contract::environment::Contract::from_process_env().capability_file {
+            Some(file) => Some(fs::read_to_string(&file).and_then(|capability| fs::remove_file(&file).map(|()| capability)).map_err(|error| {
                 tracing::error!(%file, %error, "cannot read and remove the capability file ({})", contract::environment::CAPABILITY_FILE);
                 exit::USAGE
-            })?;
-            command.env(agent::CAPABILITY_ENV, capability.trim());
-        }
+            })?),
+            None => std::env::var(agent::CAPABILITY_ENV).ok(),
+        };
+        let capability_pipe = match capability {
+            Some(capability) => {
+                let (read, write) = spawn::handover_pipe().map_err(|error| {
+                    tracing::error!(%error, "cannot create the capability pipe");
+                    exit::INTERNAL
+                })?;
+                // A capability is far below the pipe's buffer: written whole now, read by the agent later.
+                std::fs::File::from(write).write_all(capability.trim().as_bytes()).map_err(|error| {
+                    tracing::error!(%error, "cannot write the capability pipe");
+                    exit::INTERNAL
+                })?;
+                spawn::pass_fd(&mut command, read.as_raw_fd(), agent::CAPABILITY_FD);
+                Some(read)
+            }
+            None => None,
+        };
         spawn::prepare(&mut command, Some(settings.user.credentials()));
+        spawn::no_new_privileges(&mut command);
         let (read, write) = if settings.docker {
-            let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|error| {
+            let (read, write) = spawn::handover_pipe().map_err(|error| {
                 tracing::error!(%error, "cannot create the dockerd report pipe");
                 exit::INTERNAL
             })?;
@@ -248,6 +266,7 @@ impl Supervisor {
                 tracing::info!(%pid, uid = settings.user.uid, "agent started");
                 self.agent = Some(pid);
                 drop(read);
+                drop(capability_pipe);
                 Ok(write)
             }
             Err(error) => {

@@ -67,3 +67,31 @@ pub fn pass_fd(command: &mut Command, fd: std::os::fd::RawFd, target: std::os::f
         });
     }
 }
+
+/// The lowest fd a pipe handed over with [`pass_fd`] is kept at in PID 1: above every
+/// target, so that one pass's `dup2` never overwrites the source of another.
+const ABOVE_TARGETS: std::os::fd::RawFd = 10;
+
+/// A close-on-exec pipe (read end, write end) whose read end is kept above every fd
+/// [`pass_fd`] hands over.
+///
+/// # Errors
+/// When the pipe cannot be made or its read end moved.
+pub fn handover_pipe() -> nix::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd as _;
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let moved = nix::fcntl::fcntl(&read, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(ABOVE_TARGETS))?;
+    // SAFETY: `moved` is a new fd that fcntl just returned; nothing else owns it.
+    Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(moved) }, write))
+}
+
+/// The child and everything it starts gain no privilege by exec (setuid and file
+/// capabilities do nothing): the agent, the runner and the job's steps. Where the
+/// container allows it (the rootless mode, whose dockerd branch of PID 1 needs
+/// newuidmap's file capabilities), it is set here for the job's side alone.
+pub fn no_new_privileges(command: &mut Command) {
+    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS) is one async-signal-safe system call.
+    unsafe {
+        command.pre_exec(|| nix::sys::prctl::set_no_new_privs().map_err(std::io::Error::from));
+    }
+}

@@ -36,6 +36,8 @@ const FULLNAME: &str = "gdr-gitea-dynamic-runner";
 /// The release's state volume, smaller than the chart's default (which is sized for a cache) the
 /// way an operator on a small node would set it; the test's PersistentVolume offers exactly this.
 const STATE_SIZE: &str = "2Gi";
+/// The cache's volume: its limits (1G, entries of 256M) and their in-flight allowance.
+const CACHE_SIZE: &str = "2Gi";
 
 fn helm(kubeconfig: &Path, args: &[&str]) -> Output {
     Command::new("helm").env("KUBECONFIG", kubeconfig).args(args).stdin(Stdio::null()).output().expect("helm cannot run: run scripts/install-test-peers")
@@ -158,6 +160,14 @@ async fn the_chart_runs_the_controller_in_the_cluster_end_to_end() {
     );
     let applied = tokio::task::block_in_place(|| cluster.apply(&pv, &[]));
     assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
+    // The jobs' cache on a volume of its own (never the store's).
+    let cache_volume = tempfile::tempdir().unwrap();
+    let cache_pv = format!(
+        "apiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {namespace}-cache}}\nspec:\n  capacity: {{storage: {CACHE_SIZE}}}\n  accessModes: [ReadWriteOnce]\n  persistentVolumeReclaimPolicy: Delete\n  hostPath: {{path: {path}, type: Directory}}\n  claimRef: {{namespace: {namespace}, name: {FULLNAME}-cache}}\n",
+        path = cache_volume.path().display()
+    );
+    let applied = tokio::task::block_in_place(|| cluster.apply(&cache_pv, &[]));
+    assert!(applied.status.success(), "{}", String::from_utf8_lossy(&applied.stderr));
 
     let host = Cluster::HOST_IP;
     let facade_port = free_port(std::net::Ipv4Addr::UNSPECIFIED.into());
@@ -175,7 +185,7 @@ spire:
   parentId: "{parent}"
 pools: [{{placement: container.kubernetes, capacity: {capacity}}}]
 store: {{embedded: {{size: {STATE_SIZE}}}}}
-cache: {{maxSize: 1G, maxRepositorySize: 256M}}
+cache: {{maxSize: 1G, maxRepositorySize: 256M, keepFree: 1%, volume: {{size: {CACHE_SIZE}}}}}
 jobs:
   namespace: "{jobs_namespace}"
   image: "{runner_image}"
