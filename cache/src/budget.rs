@@ -193,7 +193,7 @@ mod tests {
         budget.release("a", "r", Usage::new(100, 2));
         assert_eq!(budget.total(), Usage::new(100, 2));
         assert_eq!(budget.charge("d", "r", Usage::new(100, 1)), Ok(()), "the repository has room again");
-        assert!(budget.charged().jobs.get("a").is_none(), "a job that owes nothing is forgotten");
+        assert!(!budget.charged().jobs.contains_key("a"), "a job that owes nothing is forgotten");
         budget.release("nobody", "nowhere", Usage::new(5, 5));
         assert_eq!(budget.total(), Usage::new(195, 0), "releasing more than was charged saturates");
     }

@@ -44,11 +44,8 @@ pub fn serve(
             return Ok(answer);
         }
     };
-    let mut response = if head_only {
-        empty(if requested.is_some() { 206 } else { 200 })
-    } else {
-        stream(store, metrics, io, parts, range.clone(), requested.is_some())
-    };
+    let mut response =
+        if head_only { empty(if requested.is_some() { 206 } else { 200 }) } else { stream(store, metrics, io, parts, range.clone(), requested.is_some()) };
     let headers = response.headers_mut();
     headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/octet-stream"));
     headers.insert(http::header::ACCEPT_RANGES, http::HeaderValue::from_static("bytes"));
@@ -103,7 +100,12 @@ fn stream(
 }
 
 /// Sends the bytes `local` of the part at `path`; `Ok` also when the client went away.
-async fn send_part(store: &dyn ObjectStore, path: &object_store::path::Path, local: std::ops::Range<u64>, sender: &tokio::sync::mpsc::Sender<Piece>) -> Result<(), BoxError> {
+async fn send_part(
+    store: &dyn ObjectStore,
+    path: &object_store::path::Path,
+    local: std::ops::Range<u64>,
+    sender: &tokio::sync::mpsc::Sender<Piece>,
+) -> Result<(), BoxError> {
     let options = GetOptions { range: Some(GetRange::Bounded(local.clone())), ..GetOptions::default() };
     let result = store.get_opts(path, options).await?;
     match result.payload {

@@ -129,7 +129,7 @@ impl Drop for Writing<'_> {
         }
         let mut open = self.uploads.open();
         let Some(upload) = open.get_mut(&self.key) else { return };
-        let pieces = match &self.piece {
+        match &self.piece {
             Piece::Part(offset) => match self.replaced {
                 Some(length) => drop(upload.parts.insert(*offset, (length, false))),
                 None => drop(upload.parts.remove(offset)),
@@ -138,8 +138,7 @@ impl Drop for Writing<'_> {
                 Some(length) => drop(upload.blocks.insert(id.clone(), (length, false))),
                 None => drop(upload.blocks.remove(id)),
             },
-        };
-        let () = pieces;
+        }
         upload.charged = Usage::new(upload.charged.bytes.saturating_sub(self.charged.bytes), upload.charged.objects.saturating_sub(self.charged.objects));
         self.uploads.budget.release(&upload.job, &upload.meta.repository, self.charged);
     }
@@ -190,8 +189,8 @@ impl Uploads {
     fn check_room(&self) -> Result<(), Refusal> {
         let Some(directory) = &self.directory else { return Ok(()) };
         let Ok(stat) = nix::sys::statvfs::statvfs(directory) else { return Ok(()) };
-        let fragment = u64::from(stat.fragment_size());
-        let (free, size) = (u64::from(stat.blocks_available()) * fragment, u64::from(stat.blocks()) * fragment);
+        let fragment = stat.fragment_size();
+        let (free, size) = (stat.blocks_available() * fragment, stat.blocks() * fragment);
         let keep = match self.keep_free {
             KeepFree::Bytes(bytes) => bytes,
             KeepFree::Percent(percent) => size / 100 * u64::from(percent),
@@ -340,9 +339,7 @@ impl Uploads {
                 let what = if reserved > 0 { "its reservation" } else { "this runner's largest entry (cache.max_repository_size)" };
                 return Err(Refusal::new(416, "outside_reservation", format!("bytes {start}-{} lie beyond {what}, {limit} bytes", end.saturating_sub(1))));
             }
-            let overlapping = held.parts.range(..end).find(|(other, (other_length, _))| {
-                **other != *start && other.saturating_add(*other_length) > *start
-            });
+            let overlapping = held.parts.range(..end).find(|(other, (other_length, _))| **other != *start && other.saturating_add(*other_length) > *start);
             if let Some((other, (other_length, _))) = overlapping {
                 return Err(Refusal::new(
                     416,
@@ -460,11 +457,17 @@ impl Uploads {
             return Ok(Err(Refusal::new(
                 400,
                 "entry_size",
-                format!("the blocks make {} MB, over this runner's limit of {} MB per entry (cache.max_repository_size)", offset >> 20, self.limits.max_entry() >> 20),
+                format!(
+                    "the blocks make {} MB, over this runner's limit of {} MB per entry (cache.max_repository_size)",
+                    offset >> 20,
+                    self.limits.max_entry() >> 20
+                ),
             )));
         }
         for (block, offset) in &layout {
-            self.storage.rename(&Storage::block_path(&upload.repository, upload.id, block), &Storage::part_path(&upload.repository, upload.id, *offset)).await?;
+            self.storage
+                .rename(&Storage::block_path(&upload.repository, upload.id, block), &Storage::part_path(&upload.repository, upload.id, *offset))
+                .await?;
         }
         let listed: std::collections::HashSet<&String> = blocks.iter().collect();
         for (block, _) in staged.iter().filter(|(block, _)| !listed.contains(block)) {
@@ -561,7 +564,8 @@ impl Uploads {
     fn forget(&self, repository: &str, id: u64) {
         let forgotten = {
             let mut open = self.open();
-            let key = open.keys().find(|(stored, stored_id)| *stored_id == id && (stored == repository || crate::sweep::encoded(stored) == repository)).cloned();
+            let key =
+                open.keys().find(|(stored, stored_id)| *stored_id == id && (stored == repository || crate::sweep::encoded(stored) == repository)).cloned();
             key.and_then(|key| open.remove(&key))
         };
         if let Some(upload) = forgotten {

@@ -156,7 +156,14 @@ where
 }
 
 /// `PUT blobs/{id}`: the whole archive, a block of it, or the list that orders the blocks.
-pub(crate) async fn blob<B>(uploads: &Uploads, scope: &Scope, id: &str, query: &str, headers: &http::HeaderMap, body: B) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn blob<B>(
+    uploads: &Uploads,
+    scope: &Scope,
+    id: &str,
+    query: &str,
+    headers: &http::HeaderMap,
+    body: B,
+) -> Result<Result<Response, Refusal>, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send + Unpin,
     B::Error: Into<BoxError>,

@@ -29,8 +29,8 @@ pub mod loopback;
 pub mod proxy;
 pub mod ready;
 
-pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, DockerProxy, FacadeSettings, IdentitySettings};
 pub use capability::CAPABILITY_FD;
+pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, DockerProxy, FacadeSettings, IdentitySettings};
 pub use docker_report::DOCKER_FD;
 pub use error::AgentError;
 use job::Signals;

@@ -118,7 +118,7 @@ as_root() {
 }
 if [ "$JOB_DOCKERD" = true ] && docker info >/dev/null 2>&1; then
   mkdir -p /tmp/tiny && cd /tmp/tiny
-  for b in /bin/sh /bin/cat /bin/mkdir /bin/mount /bin/mknod /bin/ls /bin/grep /usr/bin/head /bin/chmod /bin/sleep; do
+  for b in /bin/sh /bin/cat /bin/mkdir /bin/mount /bin/mknod /bin/ls /bin/grep /usr/bin/head /bin/chmod /bin/sleep /bin/dd; do
     [ -e "$b" ] || continue
     mkdir -p ".$(dirname "$b")" && cp -L "$b" ".$b"
     for l in $(ldd "$b" 2>/dev/null | grep -o '/[^ ]*'); do mkdir -p ".$(dirname "$l")" && cp -L "$l" ".$l"; done
@@ -161,13 +161,25 @@ file_verdict() { # NAME PATH NEEDLE
 found=""
 [ -e /run/gitea-dynamic-runner/capability ] && found="$found file"
 grep -aqs 'v1\.gitea-task' /proc/1/environ && found="$found /proc/1/environ"
-for p in $(pgrep -f 'supervisor agent'); do grep -aqs 'v1\.gitea-task' /proc/$p/environ && found="$found agent-environ"; done
+# Any process's environment a step may read: the agent's (non-dumpable) and every child
+# of it (a child exec'd is dumpable again: the capability must be in none of them).
+for e in /proc/[0-9]*/environ; do grep -aqs 'v1\.gitea-task' "$e" && found="$found $e"; done
 env | grep -q 'v1\.gitea-task' && found="$found step-environment"
 if [ -n "$root" ]; then
   holders=$(as_root /bin/sh -c 'grep -al "v1\.gitea-task" /proc/[0-9]*/environ' 2>/dev/null | head -n1)
   [ -n "$holders" ] && found="$found $holders(as root in the environment)"
+  # Root reads the agent's memory, where the capability lives.
+  cat > /tmp/mem.sh <<'MEM'
+grep ' rw-p ' "/proc/$1/maps" | while read -r range rest; do
+  start=$((0x${range%-*})); end=$((0x${range#*-}))
+  dd if="/proc/$1/mem" bs=4096 skip=$((start / 4096)) count=$(((end - start) / 4096)) 2>/dev/null | grep -aq 'v1\.gitea-task' && { echo found; break; }
+done
+MEM
+  for p in $(pgrep -f 'supervisor agent'); do
+    [ "$(as_root /bin/sh /env/tmp/mem.sh "$p" 2>/dev/null)" = found ] && found="$found /proc/$p/mem(the agent's memory, as root in the environment)"
+  done
 fi
-if [ -n "$found" ]; then verdict own-capability reach "$found"; else verdict own-capability refused "the file is gone, /proc/1 and the agent are unreadable"; fi
+if [ -n "$found" ]; then verdict own-capability reach "$found"; else verdict own-capability refused "the file is gone; no process's environment a step reads holds it (PID 1 hands it to the agent on a pipe)"; fi
 
 # 2.-4. Another task through this environment's facade socket.
 facade_verdict other-task-claim "$(grpc Claim "$CLAIM_RUNNING")"
