@@ -3,9 +3,10 @@
 //! ranges (`Range: bytes=a-b`, `a-`, `-n`), as other clients and resumed downloads ask.
 //!
 //! A download is a task that reads one piece ahead of the client: it holds no thread
-//! while it waits (a client that stops reading costs two pieces of memory, and is cut off
-//! after [`crate::http::IDLE`]), and each read of a directory's file is one short blocking
-//! call on the runtime the cache's I/O runs on.
+//! while it waits (a client that stops reading costs three pieces of memory — one read,
+//! one queued, one in HTTP/2's send buffer — and is cut off after [`crate::http::IDLE`]),
+//! and each read of a directory's file is one short blocking call on the runtime the
+//! cache's I/O runs on.
 
 use bytes::Bytes;
 use futures_util::StreamExt as _;
@@ -18,8 +19,10 @@ use crate::{
     store::{Object, part_offset},
 };
 
-/// How much of an archive's file is read at once.
-const READ_PIECE: usize = 2 << 20;
+/// How much of an archive's file is read at once: small enough that the downloads a job
+/// may leave unread ([`crate::service::MAX_REQUESTS_PER_JOB`]) hold little, large enough that a
+/// download streams at several GB/s (`scripts/bench cache --throughput`).
+const READ_PIECE: usize = 1 << 20;
 
 /// The answer to a download of the archive made of `parts` (in order), all of it or the
 /// range `headers` ask for; `io` runs the reads.

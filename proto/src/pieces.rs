@@ -12,7 +12,7 @@
 
 use prost::Message as _;
 
-use crate::runner::v1::{Result as TaskResult, TaskState, UpdateLogRequest, UpdateTaskRequest};
+use crate::runner::v1::{Result as TaskResult, TaskState, UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest};
 
 /// Framing overhead of one repeated element (tag and length), an upper bound.
 const ELEMENT_OVERHEAD: usize = 11;
@@ -46,6 +46,44 @@ pub fn log_pieces(request: &UpdateLogRequest, max_bytes: usize) -> Vec<UpdateLog
         start = end;
     }
     pieces
+}
+
+/// Sends `request` through `send` in consecutive pieces under `max_bytes` (see
+/// [`log_pieces`]), no more pieces once `budget` has passed, and answers what went
+/// through: the runner sends the rest again on its next tick. A piece refused after
+/// others went through ends the call with their acknowledgement, not the error: sent
+/// again whole, a backlog beyond a rate limit's burst would never get through, and one
+/// slower than the runner's timeout never be acknowledged. A refused first piece is the
+/// error.
+///
+/// # Errors
+/// What `send` answered for the first piece.
+pub async fn send_log_in_pieces<E, F, Fut>(
+    request: &UpdateLogRequest,
+    max_bytes: usize,
+    budget: std::time::Duration,
+    mut send: F,
+) -> Result<UpdateLogResponse, E>
+where
+    F: FnMut(UpdateLogRequest) -> Fut,
+    Fut: std::future::Future<Output = Result<UpdateLogResponse, E>>,
+{
+    let started = std::time::Instant::now();
+    let mut last = None;
+    for piece in log_pieces(request, max_bytes) {
+        let expected = piece.index + i64::try_from(piece.rows.len()).unwrap_or(i64::MAX);
+        let answer = match send(piece).await {
+            Ok(answer) => answer,
+            Err(error) if last.is_none() => return Err(error),
+            Err(_) => break,
+        };
+        let short = answer.ack_index < expected;
+        last = Some(answer);
+        if short || started.elapsed() >= budget {
+            break;
+        }
+    }
+    Ok(last.unwrap_or(UpdateLogResponse { ack_index: request.index }))
 }
 
 /// Cuts `request` so that each call stays under `max_bytes`: the outputs that do not
@@ -109,6 +147,37 @@ mod tests {
         assert_eq!(joined, request.rows);
         let open = UpdateLogRequest { no_more: false, ..request };
         assert!(log_pieces(&open, 64 << 10).iter().all(|p| !p.no_more));
+    }
+
+    /// What went through stays acknowledged when a later piece is refused or the budget
+    /// is spent; a refused first piece is the error.
+    #[tokio::test]
+    async fn sending_in_pieces_answers_what_went_through() {
+        let request = UpdateLogRequest { task_id: 7, index: 100, rows: rows(1000, 100), no_more: true };
+        let pieces = log_pieces(&request, 10_000);
+        let ends: Vec<i64> = pieces.iter().map(|p| p.index + p.rows.len() as i64).collect();
+        let enough = std::time::Duration::from_secs(60);
+        // Gitea's rule: the acknowledgement is where the rows sent end.
+        let gitea = |refuse: Option<usize>| {
+            let calls = std::cell::Cell::new(0);
+            move |piece: UpdateLogRequest| {
+                let call = calls.replace(calls.get() + 1);
+                let answer = if Some(call) == refuse { Err("slow down") } else { Ok(UpdateLogResponse { ack_index: piece.index + piece.rows.len() as i64 }) };
+                std::future::ready(answer)
+            }
+        };
+        // (the piece refused, the budget, the answer, the case)
+        type Case = (Option<usize>, std::time::Duration, Result<i64, &'static str>, &'static str);
+        let table: &[Case] = &[
+            (None, enough, Ok(1100), "every piece"),
+            (Some(3), enough, Ok(ends[2]), "the fourth refused: three acknowledged"),
+            (Some(0), enough, Err("slow down"), "the first refused: the error"),
+            (None, std::time::Duration::ZERO, Ok(ends[0]), "the budget spent after the first"),
+        ];
+        for (refuse, budget, expected, case) in table {
+            let answer = send_log_in_pieces(&request, 10_000, *budget, gitea(*refuse)).await.map(|a| a.ack_index);
+            assert_eq!(answer, *expected, "{case}");
+        }
     }
 
     #[test]

@@ -323,22 +323,18 @@ impl TaskReports for Gitea {
 /// default is 1 MiB), so larger batches go up in pieces.
 pub const MAX_LOG_BATCH_BYTES: usize = 768 << 10;
 
-/// Sends `request` in pieces of at most [`MAX_LOG_BATCH_BYTES`] (see `proto::pieces`).
-/// Returns Gitea's answer to the last piece sent; a piece Gitea did not fully take stops
-/// early with its answer, and the runner resends from there as it always does.
+/// How long one UpdateLog of an environment sends pieces on to Gitea (whose log store
+/// can take a second per hundred short rows) before it answers what went through.
+pub const LOG_CALL_BUDGET: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Sends `request` in pieces of at most [`MAX_LOG_BATCH_BYTES`] for at most
+/// [`LOG_CALL_BUDGET`] (see `proto::pieces::send_log_in_pieces`): the answer acknowledges
+/// what Gitea took, and the runner resends the rest as it always does.
 ///
 /// # Errors
-/// The first failing call.
+/// When Gitea refused the first piece.
 pub async fn update_log_in_pieces(reports: &dyn TaskReports, request: &UpdateLogRequest) -> Result<UpdateLogResponse, GiteaError> {
-    let mut last = UpdateLogResponse { ack_index: request.index };
-    for piece in proto::pieces::log_pieces(request, MAX_LOG_BATCH_BYTES) {
-        let expected = piece.index + i64::try_from(piece.rows.len()).unwrap_or(i64::MAX);
-        last = reports.update_log(&piece).await?;
-        if last.ack_index < expected {
-            break;
-        }
-    }
-    Ok(last)
+    proto::pieces::send_log_in_pieces(request, MAX_LOG_BATCH_BYTES, LOG_CALL_BUDGET, |piece| async move { reports.update_log(&piece).await }).await
 }
 
 /// Fails a task for good and says why in its log: the reason goes at the index Gitea

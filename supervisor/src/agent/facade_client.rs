@@ -42,8 +42,8 @@ pub struct Claimed {
 #[derive(Clone)]
 pub struct FacadeClient {
     inner: FacadeServiceClient<Channel>,
-    /// The same connection, for the cache's plain HTTP requests.
-    channel: Channel,
+    /// A second connection to the facade, for the cache's plain HTTP requests.
+    cache_channel: Channel,
     credential: AssignmentCredential,
 }
 
@@ -76,17 +76,10 @@ impl FacadeClient {
             .initial_stream_window_size(Some(STREAM_WINDOW))
             .initial_connection_window_size(Some(CONNECTION_WINDOW));
         let parsed = contract::facade::FacadeUrl::parse(url).map_err(FacadeClientError::Url)?;
-        let channel = match parsed {
-            FacadeUrl::Unix(path) => endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-            })),
+        let dial = match parsed {
+            FacadeUrl::Unix(path) => Dial::Unix(path),
             // Development mode: capability only, to a loopback or private address.
-            FacadeUrl::InsecureHttp(address) => endpoint.connect_with_connector_lazy(tower::service_fn(move |_| async move {
-                let tcp = tokio::net::TcpStream::connect(address).await?;
-                tcp.set_nodelay(true)?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
-            })),
+            FacadeUrl::InsecureHttp(address) => Dial::Tcp(address),
             FacadeUrl::Https(authority) => {
                 let (Some(facade_id), Some(workload)) = (facade_spiffe_id.filter(|s| !s.is_empty()), spiffe_endpoint) else {
                     return Err(FacadeClientError::MissingSpiffe);
@@ -106,23 +99,17 @@ impl FacadeClient {
                     .with_alpn_protocols([b"h2"])
                     .build()
                     .map_err(|e| FacadeClientError::Tls(e.to_string()))?;
-                let config = Arc::new(config);
-                endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
-                    let (config, authority) = (Arc::clone(&config), authority.clone());
-                    async move {
-                        let tcp = tokio::net::TcpStream::connect(&authority).await?;
-                        let host = authority.rsplit_once(':').map_or(authority.as_str(), |(host, _)| host).to_owned();
-                        // The server is verified by its SPIFFE ID, not by this name.
-                        let name = rustls::pki_types::ServerName::try_from(host).map_err(std::io::Error::other)?;
-                        let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
-                    }
-                }))
+                Dial::Tls(Arc::new(config), authority)
             }
         };
+        // The cache has a connection of its own: archives a step reads slowly (or not at
+        // all) fill their flow-control windows, and on a shared connection they would hold
+        // back the runner's reports and the controller's answers to them (a cancel among
+        // them) until the step reads on.
+        let (channel, cache_channel) = (dial.channel(&endpoint), dial.channel(&endpoint));
         Ok(FacadeClient {
-            inner: FacadeServiceClient::new(channel.clone()),
-            channel,
+            inner: FacadeServiceClient::new(channel),
+            cache_channel,
             credential: AssignmentCredential { assignment_id: assignment_id.to_owned(), capability: capability.to_owned() },
         })
     }
@@ -203,7 +190,52 @@ impl FacadeClient {
                 headers.insert(name, value);
             }
         }
-        self.channel.clone().oneshot(request).await
+        self.cache_channel.clone().oneshot(request).await
+    }
+}
+
+/// How the agent reaches the facade.
+enum Dial {
+    Unix(String),
+    Tcp(std::net::SocketAddr),
+    /// mTLS with the job's SVID, to `host:port`.
+    Tls(Arc<rustls::ClientConfig>, String),
+}
+
+impl Dial {
+    /// A channel of `endpoint` that connects on first use and again after a break.
+    fn channel(&self, endpoint: &tonic::transport::Endpoint) -> Channel {
+        match self {
+            Dial::Unix(path) => {
+                let path = path.clone();
+                endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
+                    let path = path.clone();
+                    async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+                }))
+            }
+            Dial::Tcp(address) => {
+                let address = *address;
+                endpoint.connect_with_connector_lazy(tower::service_fn(move |_| async move {
+                    let tcp = tokio::net::TcpStream::connect(address).await?;
+                    tcp.set_nodelay(true)?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
+                }))
+            }
+            Dial::Tls(config, authority) => {
+                let (config, authority) = (Arc::clone(config), authority.clone());
+                endpoint.connect_with_connector_lazy(tower::service_fn(move |_| {
+                    let (config, authority) = (Arc::clone(&config), authority.clone());
+                    async move {
+                        let tcp = tokio::net::TcpStream::connect(&authority).await?;
+                        let host = authority.rsplit_once(':').map_or(authority.as_str(), |(host, _)| host).to_owned();
+                        // The server is verified by its SPIFFE ID, not by this name.
+                        let name = rustls::pki_types::ServerName::try_from(host).map_err(std::io::Error::other)?;
+                        let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+                    }
+                }))
+            }
+        }
     }
 }
 

@@ -43,6 +43,9 @@ use super::config::RunnerHooks;
 pub const MAX_RUNNER_REQUEST_BYTES: usize = 256 << 20;
 /// The largest piece sent on to the facade (whose limit is 4 MiB).
 pub const MAX_PIECE_BYTES: usize = 2 << 20;
+/// How long one UpdateLog of the runner sends pieces on: well inside its client's
+/// timeout (a minute), so a backlog Gitea takes long to write is acknowledged in parts.
+pub const LOG_CALL_BUDGET: std::time::Duration = std::time::Duration::from_secs(20);
 /// A log row longer than this (one "line" of megabytes, e.g. a binary dumped to the
 /// log) is cut, so that every row fits a piece: the rest of the job's log must not be
 /// lost for it.
@@ -314,7 +317,7 @@ impl Loopback {
         last.map(Response::new).ok_or_else(|| ConnectError::internal("nothing was sent"))
     }
 
-    /// UpdateLog: on to the facade in pieces, until one is not fully acknowledged.
+    /// UpdateLog: on to the facade in pieces, answering what went through.
     async fn update_log(self: Arc<Self>, request: Request<UpdateLogRequest>) -> Result<Response<UpdateLogResponse>, ConnectError> {
         let served = &self.served;
         authenticate(&served.runner, &request)?;
@@ -327,15 +330,9 @@ impl Loopback {
         if served.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             message.no_more = false;
         }
-        let mut last = UpdateLogResponse { ack_index: message.index };
-        for piece in proto::pieces::log_pieces(&message, MAX_PIECE_BYTES) {
-            let expected = piece.index + i64::try_from(piece.rows.len()).unwrap_or(i64::MAX);
-            last = served.upstream.update_log(piece).await?;
-            if last.ack_index < expected {
-                break;
-            }
-        }
-        Ok(Response::new(last))
+        let upstream = &served.upstream;
+        let answer = proto::pieces::send_log_in_pieces(&message, MAX_PIECE_BYTES, LOG_CALL_BUDGET, |piece| upstream.update_log(piece)).await?;
+        Ok(Response::new(answer))
     }
 }
 

@@ -47,6 +47,9 @@ struct Recording {
     rows: Mutex<Vec<String>>,
     cancelled: Mutex<bool>,
     first_report: Mutex<Option<Instant>>,
+    /// UpdateLog pieces still accepted before the next one is refused as the facade's
+    /// log rate does (None: every piece).
+    log_pieces_before_refusal: Mutex<Option<usize>>,
 }
 
 impl Recording {
@@ -71,6 +74,17 @@ impl Upstream for Recording {
 
     async fn update_log(&self, request: UpdateLogRequest) -> Result<UpdateLogResponse, ConnectError> {
         self.reported();
+        {
+            let mut before_refusal = self.log_pieces_before_refusal.lock().unwrap();
+            match before_refusal.as_mut() {
+                Some(0) => {
+                    *before_refusal = None;
+                    return Err(ConnectError::new(Code::ResourceExhausted, "gitea-task-7 logs faster than 1 MiB/s; slow down"));
+                }
+                Some(left) => *left -= 1,
+                None => {}
+            }
+        }
         let mut rows = self.rows.lock().unwrap();
         let ack = rows.len() as i64;
         if !request.rows.is_empty() && request.index <= ack && request.index + request.rows.len() as i64 > ack {
@@ -319,6 +333,31 @@ async fn a_large_backlog_goes_to_the_facade_in_pieces() {
         assert_eq!(piece.no_more, i == logs.len() - 1);
     }
     assert_eq!(lb.upstream.rows.lock().unwrap().len(), 20_000);
+    lb.shutdown.cancel();
+}
+
+/// A piece the facade refuses (its log rate) ends the call with what went through
+/// acknowledged, so the runner sends only the rest again; a refusal of the first piece
+/// is the runner's error.
+#[tokio::test]
+async fn a_refused_piece_keeps_the_pieces_before_it_acknowledged() {
+    let _memory = PROCESS_MEMORY.read().await;
+    let lb = loopback(task(), RunnerHooks::JobStarted, None, true).await;
+    let client = runner_client(&lb.address, "gitea-task-7", &lb.runner.token);
+    let rows: Vec<LogRow> = (0..20_000).map(|i| LogRow { time: None, content: format!("{i:05} {}", "x".repeat(500)) }).collect();
+    let backlog = |from: i64| UpdateLogRequest { task_id: 7, index: from, rows: rows[usize::try_from(from).unwrap()..].to_vec(), no_more: true };
+    *lb.upstream.log_pieces_before_refusal.lock().unwrap() = Some(2);
+    let ack: UpdateLogResponse = client.unary(&format!("{S}UpdateLog"), &backlog(0), &CallOptions::default()).await.unwrap().message;
+    let through = lb.upstream.rows.lock().unwrap().len() as i64;
+    assert!(ack.ack_index > 0 && ack.ack_index < 20_000, "two pieces acknowledged, not {}", ack.ack_index);
+    assert_eq!(ack.ack_index, through, "what went through, no more and no less");
+    *lb.upstream.log_pieces_before_refusal.lock().unwrap() = Some(0);
+    let refused = client.unary::<_, UpdateLogResponse>(&format!("{S}UpdateLog"), &backlog(ack.ack_index), &CallOptions::default()).await.unwrap_err();
+    assert_eq!(refused.code, Code::ResourceExhausted, "{refused:?}");
+    let rest: UpdateLogResponse = client.unary(&format!("{S}UpdateLog"), &backlog(ack.ack_index), &CallOptions::default()).await.unwrap().message;
+    assert_eq!(rest.ack_index, 20_000);
+    let sent: Vec<String> = lb.upstream.rows.lock().unwrap().clone();
+    assert_eq!(sent, rows.iter().map(|r| r.content.clone()).collect::<Vec<_>>(), "every row once, in order");
     lb.shutdown.cancel();
 }
 

@@ -47,6 +47,8 @@ pub struct Options {
     pub opensandbox: Option<SandboxOptions>,
     /// Run jobs as Pods (container.kubernetes) instead of docker containers.
     pub kubernetes: Option<PodOptions>,
+    /// More settings of any section (a TOML document merged last, e.g. `[cache]` limits).
+    pub extra: String,
 }
 
 /// The container.kubernetes placement: a namespace of the real cluster, and the
@@ -171,6 +173,7 @@ impl Options {
             capability_key: "e2e-capability-key-0123456789abcdef0123456789".into(),
             opensandbox: None,
             kubernetes: None,
+            extra: String::new(),
         }
     }
 }
@@ -269,8 +272,25 @@ impl Options {
                 }
             }
         }
-        config
+        config.merge(&self.extra)
     }
+}
+
+impl Options {
+    /// Writes the controller's configuration for these options into `dir` (and the
+    /// capability key, unless one is there): the file `controller run --config` takes.
+    pub fn write_config(&self, dir: &std::path::Path) -> PathBuf {
+        let key = dir.join("capability.key");
+        if !key.exists() {
+            testkit::controller_config::write_secret(&key, &self.capability_key);
+        }
+        self.controller_config(dir).write("controller.toml")
+    }
+}
+
+/// The configuration file at `path`, as the controller reads it.
+pub fn read_config(path: &std::path::Path) -> Config {
+    Config::parse(&std::fs::read_to_string(path).unwrap(), path, &Default::default()).unwrap()
 }
 
 pub struct Controller {
@@ -301,14 +321,7 @@ impl Controller {
                 (Some(owned), path)
             }
         };
-        let key = dir.join("capability.key");
-        if !key.exists() {
-            testkit::controller_config::write_secret(&key, &options.capability_key);
-        }
-        let config = options.controller_config(&dir);
-        let text = config.text();
-        config.write("controller.toml");
-        let config = Config::parse(&text, &dir.join("controller.toml"), &Default::default()).unwrap();
+        let config = read_config(&options.write_config(&dir));
         let store = app::open_store(&config).await.unwrap();
         let components = Components::parse(&options.components).unwrap();
         let shutdown = CancellationToken::new();

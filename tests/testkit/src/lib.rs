@@ -87,6 +87,12 @@ pub async fn http_get(url: &str) -> (u16, String) {
     (response.status().as_u16(), response.text().await.unwrap_or_default())
 }
 
+/// The value of the sample `name` (with its labels, e.g. `gdr_errors_total{kind="x"}`) in
+/// a Prometheus text exposition, 0 when absent.
+pub fn metric(metrics: &str, name: &str) -> u64 {
+    metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).map_or(0, |v| v as u64)
+}
+
 /// The last `lines` lines of the log at `path`, or `None` when it cannot be read.
 pub fn log_tail(path: &std::path::Path, lines: usize) -> Option<String> {
     let text = std::fs::read(path).ok()?;

@@ -22,7 +22,7 @@ use e2e::{
 };
 use testkit::{
     gitea::{Gitea, Repo, TaskInfo, strip_log_timestamps},
-    wait_until,
+    metric, wait_until,
 };
 
 /// Two cache steps (`shared` on v1, `own` on v2) and a probe (v1): what each restores and
@@ -109,10 +109,6 @@ async fn next_job_of(
     let (said, log) = run_log(gitea, repo, &task).await;
     assert_eq!(task.status, "success", "{task:?}\n{log}");
     (said, log)
-}
-
-fn metric(metrics: &str, name: &str) -> u64 {
-    metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).map_or(0, |v| v as u64)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,6 +17,7 @@ mod guest;
 mod helm;
 mod jobs;
 mod kubernetes;
+mod neighbours;
 mod replicas;
 mod rootless;
 mod run_local;
