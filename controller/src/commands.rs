@@ -69,7 +69,15 @@ async fn probe(config: &config::Config, check: &str) -> anyhow::Result<()> {
         ip => ip,
     };
     let url = format!("http://{}/{check}", std::net::SocketAddr::new(host, listen.port()));
-    let client = reqwest::Client::builder().timeout(std::time::Duration::from_secs(5)).build()?;
+    // reqwest needs a TLS backend even for plain HTTP (its rustls has no provider of its
+    // own): one that trusts nothing, as nothing here is TLS. A proxy from the environment
+    // must not stand between a Pod and itself.
+    let tls = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .context("cannot set up the HTTP client")?
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let client = reqwest::Client::builder().tls_backend_preconfigured(tls).timeout(std::time::Duration::from_secs(5)).no_proxy().build()?;
     let response = client.get(&url).send().await.with_context(|| format!("no answer from {url}: is the controller running?"))?;
     let status = response.status();
     let body = response.text().await.unwrap_or_default();
