@@ -35,6 +35,18 @@ pub const RUNNER_LABELS_JSON: &str = "CI_RUNNER_LABELS_JSON";
 /// the runner protocol there (checkout, artifacts, API calls of steps).
 pub const GITEA_URL: &str = "CI_GITEA_URL";
 
+/// What a driver tells the supervisor about the runner user beyond the contract (the
+/// supervisor's own flags, read from these variables).
+pub mod runner_user {
+    /// The host uid the agent and the job run as (`--runner-uid`; the image's 2000 when unset).
+    pub const UID: &str = "SUPERVISOR_RUNNER_UID";
+    /// The runner's primary gid (`--runner-gid`).
+    pub const GID: &str = "SUPERVISOR_RUNNER_GID";
+    /// `FIRST:COUNT`: the runner's subordinate uids and gids for a rootless dockerd
+    /// (`--subordinate-ids`; the image's /etc/subuid and /etc/subgid when unset).
+    pub const SUBORDINATE_IDS: &str = "SUPERVISOR_SUBORDINATE_IDS";
+}
+
 /// Every variable of the contract, in the order they are documented.
 pub const ALL: [&str; 9] =
     [ASSIGNMENT_ID, CAPABILITY, CAPABILITY_FILE, FACADE_URL, FACADE_SPIFFE_ID, SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET, RUNNER_LABELS_JSON, GITEA_URL];

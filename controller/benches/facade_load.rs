@@ -110,8 +110,11 @@ fn row_text(task_id: i64, n: usize) -> String {
 /// UpdateLog's latency.
 async fn agent(socket: PathBuf, id: String, capability: String, rows: usize, batch: usize) -> (i64, Vec<Duration>) {
     let mut client = connect(&socket).await;
-    let credential = Some(AssignmentCredential { assignment_id: id.clone(), capability });
-    let task = client.claim(ClaimRequest { credential: credential.clone(), holder: format!("load-agent-{id}") }).await.unwrap().into_inner().task.unwrap();
+    let given = Some(AssignmentCredential { assignment_id: id.clone(), capability });
+    let claimed = client.claim(ClaimRequest { credential: given, holder: format!("load-agent-{id}") }).await.unwrap().into_inner();
+    let task = claimed.task.unwrap();
+    // Reports carry the session the claim handed out, as the agent's do.
+    let credential = Some(AssignmentCredential { assignment_id: id.clone(), capability: claimed.session });
     let mut latencies = Vec::with_capacity(rows / batch + 1);
     let mut index = 0usize;
     while index < rows {

@@ -19,32 +19,29 @@ const ELEMENT_OVERHEAD: usize = 11;
 
 /// Cuts `request` into consecutive pieces whose encoding stays under `max_bytes`
 /// (a single larger row goes alone). One piece when it already fits. Every piece
-/// carries the task id and its own start index; only the last carries `no_more`.
-pub fn log_pieces(request: &UpdateLogRequest, max_bytes: usize) -> Vec<UpdateLogRequest> {
+/// carries the task id and its own start index; only the last carries `no_more`. The
+/// rows move into the pieces: the common one-piece call copies nothing.
+pub fn log_pieces(request: UpdateLogRequest, max_bytes: usize) -> Vec<UpdateLogRequest> {
     if request.encoded_len() <= max_bytes || request.rows.len() <= 1 {
-        return vec![request.clone()];
+        return vec![request];
     }
+    let UpdateLogRequest { task_id, index, rows, no_more } = request;
     let mut pieces = Vec::new();
-    let mut start = 0;
-    while start < request.rows.len() {
-        let mut end = start;
-        let mut size = 32;
-        while end < request.rows.len() {
-            let row = request.rows[end].encoded_len() + ELEMENT_OVERHEAD;
-            if end > start && size + row > max_bytes {
-                break;
-            }
-            size += row;
-            end += 1;
+    let mut current = Vec::new();
+    let mut start = 0usize;
+    let mut size = 32;
+    for (n, row) in rows.into_iter().enumerate() {
+        let bytes = row.encoded_len() + ELEMENT_OVERHEAD;
+        if !current.is_empty() && size + bytes > max_bytes {
+            let index = index + i64::try_from(start).unwrap_or(i64::MAX);
+            pieces.push(UpdateLogRequest { task_id, index, rows: std::mem::take(&mut current), no_more: false });
+            start = n;
+            size = 32;
         }
-        pieces.push(UpdateLogRequest {
-            task_id: request.task_id,
-            index: request.index + i64::try_from(start).unwrap_or(i64::MAX),
-            rows: request.rows[start..end].to_vec(),
-            no_more: request.no_more && end == request.rows.len(),
-        });
-        start = end;
+        size += bytes;
+        current.push(row);
     }
+    pieces.push(UpdateLogRequest { task_id, index: index + i64::try_from(start).unwrap_or(i64::MAX), rows: current, no_more });
     pieces
 }
 
@@ -59,7 +56,7 @@ pub fn log_pieces(request: &UpdateLogRequest, max_bytes: usize) -> Vec<UpdateLog
 /// # Errors
 /// What `send` answered for the first piece.
 pub async fn send_log_in_pieces<E, F, Fut>(
-    request: &UpdateLogRequest,
+    request: UpdateLogRequest,
     max_bytes: usize,
     budget: std::time::Duration,
     mut send: F,
@@ -69,6 +66,7 @@ where
     Fut: std::future::Future<Output = Result<UpdateLogResponse, E>>,
 {
     let started = std::time::Instant::now();
+    let first_index = request.index;
     let mut last = None;
     for piece in log_pieces(request, max_bytes) {
         let expected = piece.index + i64::try_from(piece.rows.len()).unwrap_or(i64::MAX);
@@ -83,7 +81,7 @@ where
             break;
         }
     }
-    Ok(last.unwrap_or(UpdateLogResponse { ack_index: request.index }))
+    Ok(last.unwrap_or(UpdateLogResponse { ack_index: first_index }))
 }
 
 /// Cuts `request` so that each call stays under `max_bytes`: the outputs that do not
@@ -127,13 +125,13 @@ mod tests {
     #[test]
     fn small_logs_stay_whole() {
         let request = UpdateLogRequest { task_id: 7, index: 3, rows: rows(10, 10), no_more: true };
-        assert_eq!(log_pieces(&request, 1 << 20), vec![request]);
+        assert_eq!(log_pieces(request.clone(), 1 << 20), vec![request]);
     }
 
     #[test]
     fn large_logs_become_consecutive_pieces() {
         let request = UpdateLogRequest { task_id: 7, index: 100, rows: rows(1000, 1000), no_more: true };
-        let pieces = log_pieces(&request, 64 << 10);
+        let pieces = log_pieces(request.clone(), 64 << 10);
         assert!(pieces.len() > 10, "{}", pieces.len());
         let mut next = 100;
         for (i, piece) in pieces.iter().enumerate() {
@@ -146,7 +144,7 @@ mod tests {
         let joined: Vec<LogRow> = pieces.into_iter().flat_map(|p| p.rows).collect();
         assert_eq!(joined, request.rows);
         let open = UpdateLogRequest { no_more: false, ..request };
-        assert!(log_pieces(&open, 64 << 10).iter().all(|p| !p.no_more));
+        assert!(log_pieces(open, 64 << 10).iter().all(|p| !p.no_more));
     }
 
     /// What went through stays acknowledged when a later piece is refused or the budget
@@ -154,7 +152,7 @@ mod tests {
     #[tokio::test]
     async fn sending_in_pieces_answers_what_went_through() {
         let request = UpdateLogRequest { task_id: 7, index: 100, rows: rows(1000, 100), no_more: true };
-        let pieces = log_pieces(&request, 10_000);
+        let pieces = log_pieces(request.clone(), 10_000);
         let ends: Vec<i64> = pieces.iter().map(|p| p.index + p.rows.len() as i64).collect();
         let enough = std::time::Duration::from_secs(60);
         // Gitea's rule: the acknowledgement is where the rows sent end.
@@ -175,7 +173,7 @@ mod tests {
             (None, std::time::Duration::ZERO, Ok(ends[0]), "the budget spent after the first"),
         ];
         for (refuse, budget, expected, case) in table {
-            let answer = send_log_in_pieces(&request, 10_000, *budget, gitea(*refuse)).await.map(|a| a.ack_index);
+            let answer = send_log_in_pieces(request.clone(), 10_000, *budget, gitea(*refuse)).await.map(|a| a.ack_index);
             assert_eq!(answer, *expected, "{case}");
         }
     }
@@ -185,7 +183,7 @@ mod tests {
         let mut all = rows(3, 10);
         all.insert(1, LogRow { time: None, content: "y".repeat(100_000) });
         let request = UpdateLogRequest { task_id: 1, index: 0, rows: all, no_more: false };
-        let pieces = log_pieces(&request, 10_000);
+        let pieces = log_pieces(request, 10_000);
         assert_eq!(pieces.iter().map(|p| p.rows.len()).collect::<Vec<_>>(), [1, 1, 2]);
         assert_eq!(pieces.iter().map(|p| p.index).collect::<Vec<_>>(), [0, 1, 2]);
     }

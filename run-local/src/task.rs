@@ -350,7 +350,7 @@ mod tests {
         let rules =
             controller::assignment::Rules { trust_domain: "example.org".into(), labels: controller::assignment::placement::LabelPolicy::seed_compatible() };
         let assignment = controller::assignment::envelope::Assignment::from_task(task, &rules).unwrap();
-        assert_eq!(assignment.identity.spiffe_id, "spiffe://example.org/ci/owner/repo/test");
+        assert_eq!(assignment.identity.spiffe_id, "spiffe://example.org/ci/owner/repo/test/7");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use contract::units::{parse_duration, parse_size};
 use crate::{
     agent::{config::RunnerHooks, identity::parse_workload_endpoint},
     pid1::{
-        self, RunnerUser,
+        self, IdRange, RunnerUser,
         dockerd::{ActivateArgs, Bridge},
     },
     tools::doctor,
@@ -105,12 +105,17 @@ pub struct Environment {
 /// to it, `doctor --image` checks that the image defines it the same way.
 #[derive(Debug, Clone, Args)]
 pub struct RunnerUserArgs {
-    /// Uid the agent and the job run as.
-    #[arg(long, env = "SUPERVISOR_RUNNER_UID", default_value_t = 2000, value_parser = parse_unprivileged_id)]
-    pub runner_uid: u32,
-    /// Primary gid of the runner.
-    #[arg(long, env = "SUPERVISOR_RUNNER_GID", default_value_t = 2000, value_parser = parse_unprivileged_id)]
-    pub runner_gid: u32,
+    /// Uid the agent and the job run as [default: 2000, the image's]. Given (or the gid, or
+    /// the subordinate ids), PID 1 makes the image's `runner` entries agree with it.
+    #[arg(long, env = env::runner_user::UID, value_parser = parse_unprivileged_id)]
+    pub runner_uid: Option<u32>,
+    /// Primary gid of the runner [default: 2000].
+    #[arg(long, env = env::runner_user::GID, value_parser = parse_unprivileged_id)]
+    pub runner_gid: Option<u32>,
+    /// The runner's subordinate uids and gids, `FIRST:COUNT` (a rootless dockerd maps
+    /// them); PID 1 writes them to /etc/subuid and /etc/subgid. Default: the image's.
+    #[arg(long, env = env::runner_user::SUBORDINATE_IDS, value_parser = parse_id_range)]
+    pub subordinate_ids: Option<IdRange>,
     /// Gid of the docker group: owns dockerd's socket and is the runner's supplementary group.
     #[arg(long, env = "SUPERVISOR_DOCKER_GID", default_value_t = 2001, value_parser = parse_unprivileged_id)]
     pub docker_gid: u32,
@@ -226,10 +231,20 @@ pub struct DoctorArgs {
     pub user: RunnerUserArgs,
 }
 
+/// The runner's uid and gid in the image (rootfs/Dockerfile).
+const IMAGE_RUNNER_ID: u32 = 2000;
+
 impl RunnerUserArgs {
     /// The user, in the terms of PID 1 and doctor.
     pub fn user(&self) -> RunnerUser {
-        RunnerUser { uid: self.runner_uid, gid: self.runner_gid, docker_gid: self.docker_gid, home: self.runner_home.clone() }
+        RunnerUser {
+            uid: self.runner_uid.unwrap_or(IMAGE_RUNNER_ID),
+            gid: self.runner_gid.unwrap_or(IMAGE_RUNNER_ID),
+            docker_gid: self.docker_gid,
+            home: self.runner_home.clone(),
+            subordinate: self.subordinate_ids,
+            assigned: self.runner_uid.is_some() || self.runner_gid.is_some() || self.subordinate_ids.is_some(),
+        }
     }
 }
 
@@ -379,7 +394,7 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
             return Err("--facade-url (CI_RUNNER_FACADE_URL) https:// needs identity on and --facade-spiffe-id (CI_RUNNER_FACADE_SPIFFE_ID)".into());
         }
     }
-    if args.user.runner_gid == args.user.docker_gid {
+    if args.user.user().gid == args.user.docker_gid {
         return Err(format!("--docker-gid (SUPERVISOR_DOCKER_GID) must differ from --runner-gid: both are {}", args.user.docker_gid));
     }
     if args.environment.docker {
@@ -397,7 +412,7 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
                 "--docker-socket (SUPERVISOR_DOCKER_SOCKET) {} cannot serve a rootless dockerd, which runs as the runner uid: \
                  put it in the runner's own runtime directory, e.g. /run/user/{}/docker.sock",
                 args.environment.docker_socket.display(),
-                args.user.runner_uid
+                args.user.user().uid
             ));
         }
         if args.docker_ready_timeout >= Duration::from_secs(3600) {
@@ -440,6 +455,24 @@ fn parse_unprivileged_id(value: &str) -> Result<u32, String> {
         return Err(format!("{id} is not a valid id"));
     }
     Ok(id)
+}
+
+/// `FIRST:COUNT` of subordinate ids: none of them root, and at least the 65,536 ids a
+/// rootless dockerd maps.
+fn parse_id_range(value: &str) -> Result<IdRange, String> {
+    let (first, count) = value.split_once(':').ok_or_else(|| format!("{value:?} is not FIRST:COUNT, e.g. 100000:65536"))?;
+    let number = |text: &str, what: &str| text.parse::<u32>().map_err(|_| format!("{value:?}: the {what} {text:?} is not a number"));
+    let range = IdRange { first: number(first, "first id")?, count: number(count, "count")? };
+    if range.first == 0 {
+        return Err(format!("{value:?} starts at root (0)"));
+    }
+    if range.count < 65_536 {
+        return Err(format!("{value:?} has {} ids; a rootless dockerd maps 65536", range.count));
+    }
+    if range.first.checked_add(range.count).is_none() {
+        return Err(format!("{value:?} ends beyond the largest id"));
+    }
+    Ok(range)
 }
 
 fn parse_absolute(value: &str) -> Result<PathBuf, String> {
@@ -507,7 +540,7 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         let run = parse(&with(&[])).unwrap();
-        assert_eq!(run.user.runner_uid, 2000);
+        assert_eq!((run.user.user().uid, run.user.user().assigned), (2000, false));
         assert_eq!(run.storage_size, 20 << 30);
         assert_eq!(run.drain_timeout, Duration::from_secs(25));
         assert_eq!(run.command, vec!["true"]);

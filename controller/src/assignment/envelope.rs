@@ -2,8 +2,8 @@
 //! from it (id, placement, identity), as a versioned JSON envelope:
 //!
 //! ```json
-//! {"version":2,"id":"gitea-task-42","placement":"container.docker",
-//!  "identity":{"repository":"o/r","job":"build","spiffe_id":"spiffe://…/ci/o/r/build"},
+//! {"version":3,"id":"gitea-task-42","placement":"container.docker",
+//!  "identity":{"repository":"o/r","job":"build","spiffe_id":"spiffe://…/ci/o/r/build/42"},
 //!  "task":"<base64 of the protobuf-encoded runner.v1.Task>",
 //!  "task_sha256":"<hex SHA-256 of those protobuf bytes>"}
 //! ```
@@ -14,8 +14,9 @@
 //! [`Assignment::decode`] derives them again from the task and refuses an envelope whose
 //! fields disagree ([`EnvelopeError::Tampered`]). Together every single-byte change of an
 //! envelope is refused (a test flips every bit); a consistent rewrite of every field is
-//! not detected: the store itself must be trusted. Version 1 (no digest), written by
-//! earlier builds, is still read.
+//! not detected: the store itself must be trusted. Versions 1 (no digest) and 2 (an
+//! identity per job key, not per task), written by earlier builds, are still read: their
+//! environments hold SVIDs of that identity, so it is derived as they were.
 //!
 //! `Debug` of an [`Assignment`] never prints the task's secrets.
 
@@ -34,8 +35,10 @@ use crate::assignment::{
     placement::{self, Placement, PlacementError},
 };
 
-/// The envelope version this build writes (it also reads version 1).
-pub const VERSION: u64 = 2;
+/// The envelope version this build writes (it also reads versions 1 and 2).
+pub const VERSION: u64 = 3;
+/// The first version whose identity names the task.
+const IDENTITY_PER_TASK: u64 = 3;
 /// Prefix of every assignment id.
 pub const ASSIGNMENT_PREFIX: &str = "gitea-task-";
 
@@ -110,7 +113,7 @@ pub enum EnvelopeError {
     MissingVersion,
 
     #[error(
-        "assignment envelope version {found} is not supported (this controller reads versions 1 and {VERSION}): run the controller version that wrote it, or let those assignments drain first"
+        "assignment envelope version {found} is not supported (this controller reads versions 1 to {VERSION}): run the controller version that wrote it, or let those assignments drain first"
     )]
     UnsupportedVersion { found: String },
 
@@ -137,7 +140,7 @@ pub enum EnvelopeError {
     Tampered { field: &'static str, stored: String, derived: String },
 }
 
-/// The envelope as stored: version 1 has no `task_sha256`, version 2 requires it.
+/// The envelope as stored: version 1 has no `task_sha256`, versions 2 and 3 require it.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct StoredEnvelope {
@@ -173,7 +176,7 @@ impl Assignment {
         let (job, labels) = placement::runs_on(payload)?;
         let placement = placement::from_labels(&labels, &rules.labels)?;
         let repository = identity::repository_of(context)?;
-        let identity = identity::derive(&rules.trust_domain, &repository, &job)?;
+        let identity = identity::derive(&rules.trust_domain, &repository, &job, Some(task.id))?;
         Ok(Assignment { id: assignment_id(task.id), placement, identity, runs_on: labels, task })
     }
 
@@ -210,7 +213,7 @@ impl Assignment {
             return Err(EnvelopeError::NotJson { reason: "not an object".to_owned() });
         };
         let version = match object.get("version") {
-            Some(serde_json::Value::Number(n)) if n.as_u64() == Some(1) || n.as_u64() == Some(VERSION) => n.as_u64(),
+            Some(serde_json::Value::Number(n)) if n.as_u64().is_some_and(|v| (1..=VERSION).contains(&v)) => n.as_u64(),
             Some(serde_json::Value::Number(n)) => return Err(EnvelopeError::UnsupportedVersion { found: n.to_string() }),
             _ => return Err(EnvelopeError::MissingVersion),
         };
@@ -228,7 +231,12 @@ impl Assignment {
             }
         }
         let task = Task::decode(task_bytes.as_slice()).map_err(|e| EnvelopeError::TaskDecoding { reason: e.to_string() })?;
-        let derived = Assignment::from_task(task, rules).map_err(EnvelopeError::Underivable)?;
+        let mut derived = Assignment::from_task(task, rules).map_err(EnvelopeError::Underivable)?;
+        if version.is_some_and(|v| v < IDENTITY_PER_TASK) {
+            let Identity { repository, job, .. } = &derived.identity;
+            derived.identity =
+                identity::derive(&rules.trust_domain, repository, job, None).map_err(|e| EnvelopeError::Underivable(AssignmentError::Identity(e)))?;
+        }
 
         let checks: [(&'static str, &str, String); 5] = [
             ("id", &envelope.id, derived.id.clone()),
@@ -362,10 +370,10 @@ mod tests {
             (
                 task(42, "[self-hosted, container, docker]"),
                 TD,
-                Ok(("gitea-task-42", Placement::CONTAINER_DOCKER, "spiffe://ci.example.org/ci/gitea/runner/build")),
+                Ok(("gitea-task-42", Placement::CONTAINER_DOCKER, "spiffe://ci.example.org/ci/gitea/runner/build/42")),
             ),
-            (task(1, "[self-hosted, pod]"), TD, Ok(("gitea-task-1", Placement::CONTAINER_KUBERNETES, "spiffe://ci.example.org/ci/gitea/runner/build"))),
-            (task(2, "{labels: [self-hosted, vm]}"), TD, Ok(("gitea-task-2", Placement::VM_OPENSANDBOX, "spiffe://ci.example.org/ci/gitea/runner/build"))),
+            (task(1, "[self-hosted, pod]"), TD, Ok(("gitea-task-1", Placement::CONTAINER_KUBERNETES, "spiffe://ci.example.org/ci/gitea/runner/build/1"))),
+            (task(2, "{labels: [self-hosted, vm]}"), TD, Ok(("gitea-task-2", Placement::VM_OPENSANDBOX, "spiffe://ci.example.org/ci/gitea/runner/build/2"))),
             (task(0, "[self-hosted, container]"), TD, Err(AssignmentError::InvalidTaskId { id: 0 })),
             (task(-5, "[self-hosted, container]"), TD, Err(AssignmentError::InvalidTaskId { id: -5 })),
             (no_payload, TD, Err(AssignmentError::MissingWorkflow)),
@@ -438,10 +446,10 @@ mod tests {
         assert_eq!(
             value,
             json!({
-                "version": 2,
+                "version": 3,
                 "id": "gitea-task-42",
                 "placement": "container.docker",
-                "identity": {"repository": "gitea/runner", "job": "build", "spiffe_id": "spiffe://ci.example.org/ci/gitea/runner/build"},
+                "identity": {"repository": "gitea/runner", "job": "build", "spiffe_id": "spiffe://ci.example.org/ci/gitea/runner/build/42"},
                 "task": task_b64,
                 "task_sha256": digest,
             })
@@ -469,10 +477,23 @@ mod tests {
             (Box::new(|v| v["identity"]["repository"] = json!("evil/runner")), "identity.repository", "evil/runner", "gitea/runner"),
             (Box::new(|v| v["identity"]["job"] = json!("deploy")), "identity.job", "deploy", "build"),
             (
-                Box::new(|v| v["identity"]["spiffe_id"] = json!("spiffe://ci.example.org/ci/gitea/runner/deploy")),
+                Box::new(|v| v["identity"]["spiffe_id"] = json!("spiffe://ci.example.org/ci/gitea/runner/deploy/42")),
                 "identity.spiffe_id",
-                "spiffe://ci.example.org/ci/gitea/runner/deploy",
+                "spiffe://ci.example.org/ci/gitea/runner/deploy/42",
+                "spiffe://ci.example.org/ci/gitea/runner/build/42",
+            ),
+            // Another task's identity, or the job-wide one of earlier versions.
+            (
+                Box::new(|v| v["identity"]["spiffe_id"] = json!("spiffe://ci.example.org/ci/gitea/runner/build/43")),
+                "identity.spiffe_id",
+                "spiffe://ci.example.org/ci/gitea/runner/build/43",
+                "spiffe://ci.example.org/ci/gitea/runner/build/42",
+            ),
+            (
+                Box::new(|v| v["identity"]["spiffe_id"] = json!("spiffe://ci.example.org/ci/gitea/runner/build")),
+                "identity.spiffe_id",
                 "spiffe://ci.example.org/ci/gitea/runner/build",
+                "spiffe://ci.example.org/ci/gitea/runner/build/42",
             ),
             // The task payload itself was replaced: the derived values no longer match.
             (Box::new(move |v| set_task(v, &other_task)), "placement", "container.docker", "container.kubernetes"),
@@ -505,7 +526,7 @@ mod tests {
         type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
         type Check = fn(&EnvelopeError) -> bool;
         let rows: Vec<(Edit, Check)> = vec![
-            (Box::new(|v| v["version"] = json!(3)), |e| *e == EnvelopeError::UnsupportedVersion { found: "3".into() }),
+            (Box::new(|v| v["version"] = json!(4)), |e| *e == EnvelopeError::UnsupportedVersion { found: "4".into() }),
             (Box::new(|v| v["version"] = json!(1)), |e| matches!(e, EnvelopeError::Malformed { .. })),
             (Box::new(|v| drop(v.as_object_mut().unwrap().remove("task_sha256"))), |e| matches!(e, EnvelopeError::Malformed { .. })),
             (Box::new(|v| v["task_sha256"] = json!("00")), |e| matches!(e, EnvelopeError::DigestMismatch { .. })),
@@ -528,19 +549,33 @@ mod tests {
             let got = Assignment::decode(&edit(&bytes, change), &rules(TD));
             assert!(got.as_ref().is_err_and(want), "row {i}: {got:?}");
         }
-        let text = EnvelopeError::UnsupportedVersion { found: "3".into() }.to_string();
-        assert!(text.contains("this controller reads versions 1 and 2"), "{text}");
+        let text = EnvelopeError::UnsupportedVersion { found: "4".into() }.to_string();
+        assert!(text.contains("this controller reads versions 1 to 3"), "{text}");
     }
 
-    /// Envelopes written by earlier builds (version 1, no digest) are still read.
+    /// Envelopes written by earlier builds (version 1, no digest; version 2, an identity
+    /// per job key) are still read, with the identity their environments hold.
     #[test]
-    fn version_1_is_still_read() {
+    fn versions_1_and_2_are_still_read_with_the_job_wide_identity() {
         let assignment = Assignment::from_task(task(42, "[self-hosted, container, docker]"), &rules(TD)).unwrap();
+        let job_wide = "spiffe://ci.example.org/ci/gitea/runner/build";
         let v1 = edit(&assignment.encode(), |v| {
             v["version"] = json!(1);
+            v["identity"]["spiffe_id"] = json!(job_wide);
             drop(v.as_object_mut().unwrap().remove("task_sha256"));
         });
-        assert_eq!(Assignment::decode(&v1, &rules(TD)).unwrap(), assignment);
+        let v2 = edit(&assignment.encode(), |v| {
+            v["version"] = json!(2);
+            v["identity"]["spiffe_id"] = json!(job_wide);
+        });
+        for old in [v1, v2] {
+            let decoded = Assignment::decode(&old, &rules(TD)).unwrap();
+            assert_eq!(decoded.identity.spiffe_id, job_wide);
+            assert_eq!((&decoded.id, decoded.placement, &decoded.task), (&assignment.id, assignment.placement, &assignment.task));
+        }
+        // A version-2 envelope that claims a task's identity was altered.
+        let v2_per_task = edit(&assignment.encode(), |v| v["version"] = json!(2));
+        assert!(matches!(Assignment::decode(&v2_per_task, &rules(TD)), Err(EnvelopeError::Tampered { field: "identity.spiffe_id", .. })));
     }
 
     /// Every single-bit flip of an envelope, at every byte, is refused (exhaustive);

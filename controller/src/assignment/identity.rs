@@ -1,8 +1,15 @@
-//! Who a task is: `spiffe://<trust domain>/ci/<owner>/<repo>/<job>`, derived from the
-//! claimed task's repository and job key (the key under `jobs:`, never the numeric
-//! job id); docs/security.md says what the identity lets a job reach.
+//! Who a task is: `spiffe://<trust domain>/ci/<owner>/<repo>/<job>/<task id>`, derived
+//! from the claimed task's repository, job key (the key under `jobs:`, never the numeric
+//! job id) and Gitea task id; docs/security.md says what the identity lets a job reach.
 //!
-//! Each of owner, repo and job becomes one path segment:
+//! The task id is there so that the facade's peer check separates tasks: a pull request
+//! from a fork chooses its job keys, and with `<job>` alone its SVID would pass for every
+//! concurrent task of the base repository's job of that key. Assignments stored before
+//! (envelope versions 1 and 2) keep the job-wide `…/<job>` their environments hold.
+//! The identity names a task of a job key of a repository: no ref, event or trust level.
+//!
+//! The task id is its decimal digits (always the fourth segment, so it needs no
+//! encoding). Each of owner, repo and job becomes one path segment:
 //! - **Verbatim** iff it matches `[A-Za-z0-9._-]+`, is not `.` or `..`, is at most 64
 //!   bytes, and does not itself look like a hashed segment (end in 12 lowercase hex
 //!   digits that are the whole segment or follow a `-`).
@@ -40,7 +47,7 @@ const MAX_SLUG: usize = 48;
 const HASH_HEX: usize = 12;
 /// SPIFFE's limit on a trust domain name.
 const MAX_TRUST_DOMAIN: usize = 255;
-/// SPIFFE IDs should not be longer (ours are at most 9 + 255 + 4 + 3×64 + 2 = 462).
+/// SPIFFE IDs should not be longer (ours are at most 9 + 255 + 4 + 3×64 + 3 + 19 = 482).
 pub const MAX_SPIFFE_ID: usize = 2048;
 
 /// A task's workload identity.
@@ -51,7 +58,8 @@ pub struct Identity {
     pub repository: String,
     /// The job key under `jobs:` exactly as written.
     pub job: String,
-    /// `spiffe://<trust domain>/ci/<owner>/<repo>/<job>` with encoded segments.
+    /// `spiffe://<trust domain>/ci/<owner>/<repo>/<job>/<task id>` with encoded segments
+    /// (without `/<task id>` for assignments stored by envelope versions 1 and 2).
     pub spiffe_id: String,
 }
 
@@ -87,12 +95,14 @@ pub enum IdentityError {
     Invalid { spiffe_id: String, reason: String },
 }
 
-/// Derives the identity of job `job` of `repository` (`owner/repo`).
+/// Derives the identity of task `task_id` of job `job` of `repository` (`owner/repo`);
+/// `None` derives the job-wide identity of envelopes before version 3. Task ids below 1
+/// are the caller's to refuse.
 ///
 /// # Errors
 /// An invalid trust domain, a repository without exactly one `/` or with an empty
 /// part, or an empty job key.
-pub fn derive(trust_domain: &str, repository: &str, job: &str) -> Result<Identity, IdentityError> {
+pub fn derive(trust_domain: &str, repository: &str, job: &str, task_id: Option<i64>) -> Result<Identity, IdentityError> {
     validate_trust_domain(trust_domain)?;
     let (owner, repo) = match repository.split_once('/') {
         Some((owner, repo)) if !owner.is_empty() && !repo.is_empty() && !repo.contains('/') => (owner, repo),
@@ -101,7 +111,10 @@ pub fn derive(trust_domain: &str, repository: &str, job: &str) -> Result<Identit
     if job.is_empty() {
         return Err(IdentityError::EmptyJob);
     }
-    let spiffe_id = format!("spiffe://{trust_domain}/ci/{}/{}/{}", segment(owner), segment(repo), segment(job));
+    let mut spiffe_id = format!("spiffe://{trust_domain}/ci/{}/{}/{}", segment(owner), segment(repo), segment(job));
+    if let Some(task_id) = task_id {
+        spiffe_id = format!("{spiffe_id}/{task_id}");
+    }
     let invalid = |reason: String| IdentityError::Invalid { spiffe_id: spiffe_id.clone(), reason };
     if spiffe_id.len() > MAX_SPIFFE_ID {
         return Err(invalid(format!("longer than {MAX_SPIFFE_ID} bytes")));
@@ -111,7 +124,7 @@ pub fn derive(trust_domain: &str, repository: &str, job: &str) -> Result<Identit
 }
 
 /// Derives the identity of a claimed task: the repository from its context, the job
-/// key from its workflow payload.
+/// key from its workflow payload, and its id.
 ///
 /// # Errors
 /// A missing payload or context, a payload without exactly one job and runs-on
@@ -122,7 +135,7 @@ pub fn for_task(trust_domain: &str, task: &Task) -> Result<Identity, IdentityErr
     let context = task.context.as_ref().ok_or(IdentityError::MissingContext)?;
     let repository = repository_of(context)?;
     let (job, _labels) = placement::runs_on(payload)?;
-    derive(trust_domain, &repository, &job)
+    derive(trust_domain, &repository, &job, Some(task.id))
 }
 
 /// The `owner/repo` of a task context: its `repository` string. When the context also
@@ -220,7 +233,7 @@ mod tests {
     const TD: &str = "ci.example.org";
 
     fn id(repository: &str, job: &str) -> String {
-        derive(TD, repository, job).unwrap().spiffe_id
+        derive(TD, repository, job, None).unwrap().spiffe_id
     }
 
     fn assert_valid(spiffe_id: &str) {
@@ -293,14 +306,24 @@ mod tests {
             ("o//r", "j", Err(IdentityError::InvalidRepository { repository: "o//r".into() })),
         ];
         for (repository, job, want) in rows {
-            let got = derive(TD, repository, job).map(|i| i.spiffe_id);
+            let got = derive(TD, repository, job, None).map(|i| i.spiffe_id);
             assert_eq!(got, want.map(str::to_owned), "{repository:?} {job:?}");
             if let Ok(spiffe_id) = got {
                 assert_valid(&spiffe_id);
             }
         }
-        let identity = derive(TD, "My Org/repo", "Test Job").unwrap();
+        let identity = derive(TD, "My Org/repo", "Test Job", None).unwrap();
         assert_eq!((identity.repository.as_str(), identity.job.as_str()), ("My Org/repo", "Test Job"));
+        let rows: Vec<(&str, &str, i64, &str)> = vec![
+            ("gitea/runner", "build", 42, "spiffe://ci.example.org/ci/gitea/runner/build/42"),
+            ("o/r", "0123456789ab", 1, "spiffe://ci.example.org/ci/o/r/0123456789ab-d407ad901895/1"),
+            ("o/r", "a/b", i64::MAX, "spiffe://ci.example.org/ci/o/r/a-b-c14cddc033f6/9223372036854775807"),
+        ];
+        for (repository, job, task_id, want) in rows {
+            let got = derive(TD, repository, job, Some(task_id)).unwrap().spiffe_id;
+            assert_eq!(got, want, "{repository:?} {job:?} {task_id}");
+            assert_valid(&got);
+        }
     }
 
     #[test]
@@ -320,7 +343,7 @@ mod tests {
             (&long, false),
         ];
         for (trust_domain, ok) in rows {
-            let got = derive(trust_domain, "o/r", "j");
+            let got = derive(trust_domain, "o/r", "j", Some(1));
             assert_eq!(got.is_ok(), ok, "{trust_domain:?}: {got:?}");
             if let Err(e) = got {
                 assert!(matches!(e, IdentityError::InvalidTrustDomain { .. }));
@@ -377,6 +400,10 @@ mod tests {
         let pairs = [("a/b c", "j"), ("a b/c", "j"), ("a/b", "c j"), ("a/b-c", "j"), ("a-b/c", "j")];
         let ids: HashSet<String> = pairs.iter().map(|(r, j)| id(r, j)).collect();
         assert_eq!(ids.len(), pairs.len());
+        // Two tasks of one job key never share one, nor a task and a job named like it.
+        let task = |job: &str, task_id| derive(TD, "o/r", job, Some(task_id)).unwrap().spiffe_id;
+        let tasks: HashSet<String> = [task("deploy", 1), task("deploy", 2), task("deploy", 12), task("deploy/1", 2), id("o/r", "deploy/1")].into();
+        assert_eq!(tasks.len(), 5, "{tasks:?}");
     }
 
     #[test]
@@ -385,14 +412,14 @@ mod tests {
         let cases = [("o/r", "j"), ("My Org/café", "日本 / build"), (long.as_str(), "x"), ("o/r", long.as_str())];
         for (repository, job) in cases {
             let repository = if repository.contains('/') { repository.to_owned() } else { format!("{repository}/{repository}") };
-            let a = derive(TD, &repository, job).unwrap();
-            let b = derive(TD, &repository, job).unwrap();
+            let a = derive(TD, &repository, job, Some(7)).unwrap();
+            let b = derive(TD, &repository, job, Some(7)).unwrap();
             assert_eq!(a, b);
             assert_valid(&a.spiffe_id);
         }
-        let max = derive(&"a".repeat(255), &format!("{}/{}", "x".repeat(300), "y".repeat(300)), &"z".repeat(300)).unwrap();
+        let max = derive(&"a".repeat(255), &format!("{}/{}", "x".repeat(300), "y".repeat(300)), &"z".repeat(300), Some(i64::MAX)).unwrap();
         assert_valid(&max.spiffe_id);
-        assert!(max.spiffe_id.len() <= 9 + 255 + 4 + 3 * 61 + 2);
+        assert!(max.spiffe_id.len() <= 9 + 255 + 4 + 3 * 61 + 3 + 19);
     }
 
     fn context(fields: &[(&str, &str)]) -> Struct {
@@ -409,12 +436,12 @@ mod tests {
         let rows: Vec<(Task, Result<&str, IdentityError>)> = vec![
             (
                 task(Some(wf), Some(context(&[("repository", "gitea/runner"), ("repository_owner", "gitea"), ("job", "42")]))),
-                Ok("spiffe://ci.example.org/ci/gitea/runner/Test-Job-8e9f764de448"),
+                Ok("spiffe://ci.example.org/ci/gitea/runner/Test-Job-8e9f764de448/7"),
             ),
-            (task(Some(wf), Some(context(&[("repository", "gitea/runner")]))), Ok("spiffe://ci.example.org/ci/gitea/runner/Test-Job-8e9f764de448")),
+            (task(Some(wf), Some(context(&[("repository", "gitea/runner")]))), Ok("spiffe://ci.example.org/ci/gitea/runner/Test-Job-8e9f764de448/7")),
             (
                 task(Some(wf), Some(context(&[("repository", "gitea/runner"), ("repository_owner", "")]))),
-                Ok("spiffe://ci.example.org/ci/gitea/runner/Test-Job-8e9f764de448"),
+                Ok("spiffe://ci.example.org/ci/gitea/runner/Test-Job-8e9f764de448/7"),
             ),
             (
                 task(Some(wf), Some(context(&[("repository", "gitea/runner"), ("repository_owner", "evil")]))),
@@ -437,9 +464,9 @@ mod tests {
 
     #[test]
     fn identity_serde_round_trip() {
-        let identity = derive(TD, "o/r", "j").unwrap();
+        let identity = derive(TD, "o/r", "j", Some(3)).unwrap();
         let json = serde_json::to_string(&identity).unwrap();
-        assert_eq!(json, r#"{"repository":"o/r","job":"j","spiffe_id":"spiffe://ci.example.org/ci/o/r/j"}"#);
+        assert_eq!(json, r#"{"repository":"o/r","job":"j","spiffe_id":"spiffe://ci.example.org/ci/o/r/j/3"}"#);
         assert_eq!(serde_json::from_str::<Identity>(&json).unwrap(), identity);
     }
 }

@@ -165,6 +165,8 @@ impl Config {
         self.validate_pools(problems);
         if let Some(docker) = &self.docker {
             docker.validate_configured(problems);
+            let capacity = self.pools.iter().find(|pool| pool.placement == Placement::CONTAINER_DOCKER).map(|pool| pool.capacity);
+            docker.runner_ids.validate(capacity, problems);
         }
         if let Some(opensandbox) = &self.opensandbox {
             opensandbox.validate(problems);

@@ -360,7 +360,7 @@ impl Facade {
             }
             return Err(Status::resource_exhausted(format!("{} logs faster than {} MiB/s; slow down", assignment.id, limit::LOG_BYTES_PER_SECOND / 1048576.0)));
         }
-        let response = gitea::update_log_in_pieces(reports.as_ref(), &inner).await.map_err(gitea_status)?;
+        let response = gitea::update_log_in_pieces(reports.as_ref(), inner).await.map_err(gitea_status)?;
         Ok(UpdateLogResponse { response: Some(response) })
     }
 

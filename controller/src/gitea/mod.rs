@@ -333,7 +333,7 @@ pub const LOG_CALL_BUDGET: std::time::Duration = std::time::Duration::from_secs(
 ///
 /// # Errors
 /// When Gitea refused the first piece.
-pub async fn update_log_in_pieces(reports: &dyn TaskReports, request: &UpdateLogRequest) -> Result<UpdateLogResponse, GiteaError> {
+pub async fn update_log_in_pieces(reports: &dyn TaskReports, request: UpdateLogRequest) -> Result<UpdateLogResponse, GiteaError> {
     proto::pieces::send_log_in_pieces(request, MAX_LOG_BATCH_BYTES, LOG_CALL_BUDGET, |piece| async move { reports.update_log(&piece).await }).await
 }
 

@@ -148,3 +148,65 @@ async fn a_rootless_environment_is_made_as_documented() {
     let error = DockerDriver::connect(config).await.unwrap_err().to_string();
     assert!(error.contains("golang-github-containers-common") && error.contains("/nonexistent/seccomp.json"), "{error}");
 }
+
+/// `docker.runner_ids`: each container holds a runner uid of its own (label and
+/// environment), a repeated create keeps it, none is handed out twice — not even by two
+/// drivers (two controllers) on one host at the same moment —, a full range is a retryable
+/// wait, and a removed container's uid is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_environment_holds_a_runner_uid_of_its_own_until_it_is_removed() {
+    use controller::driver::docker::{LABEL_RUNNER_UID, ids::RunnerIds};
+    let docker = dockerd();
+    import_image(&docker, "gdr-runner:test");
+    let facade_dir = tempfile::tempdir().unwrap();
+    let facade_dir = facade_dir.path();
+    for id in ["gitea-task-21", "gitea-task-22", "gitea-task-23"] {
+        std::fs::create_dir_all(facade_dir.join(id)).unwrap();
+    }
+    let mut config = DockerConfig::unprivileged_loop_capable("gdr-runner:test");
+    config.socket = docker.socket.display().to_string();
+    config.stop_seconds = 1;
+    config.memory = "512M".into();
+    config.runner_ids = RunnerIds { first_uid: 5_000_000, count: 2, first_subordinate: 6_000_000 };
+    let one = DockerDriver::connect(config.clone()).await.unwrap();
+    let other = DockerDriver::connect(config).await.unwrap();
+    let uid_of = |name: &str| inspect(&docker, name, &format!("{{{{index .Config.Labels \"{LABEL_RUNNER_UID}\"}}}}"));
+
+    // Two controllers at once: each container ends up with a uid no other holds.
+    let (first, second) = (spec("gitea-task-21", facade_dir), spec("gitea-task-22", facade_dir));
+    let (a, b) = tokio::join!(one.create(&first), other.create(&second));
+    let mut retried = 0;
+    for (driver, created, id) in [(&one, a, "gitea-task-21"), (&other, b, "gitea-task-22")] {
+        if let Err(error) = created {
+            assert!(error.to_string().contains("taken at the same moment"), "{error}");
+            retried += 1;
+            driver.create(&spec(id, facade_dir)).await.unwrap();
+        }
+    }
+    let names = ["gitea-task-21", "gitea-task-22"].map(|id| driver::environment_name("test", id));
+    let mut uids = names.clone().map(|name| uid_of(&name));
+    println!("uids {uids:?} (creates yielded and retried: {retried})");
+    uids.sort();
+    assert_eq!(uids, ["5000000", "5000001"]);
+    let env = inspect(&docker, &names[0], "{{json .Config.Env}}");
+    let uid = uid_of(&names[0]);
+    let subordinate = 6_000_000 + (uid.parse::<u32>().unwrap() - 5_000_000) * 65_536;
+    for expected in [format!("SUPERVISOR_RUNNER_UID={uid}"), format!("SUPERVISOR_RUNNER_GID={uid}"), format!("SUPERVISOR_SUBORDINATE_IDS={subordinate}:65536")]
+    {
+        assert!(env.contains(&expected), "{expected} not in {env}");
+    }
+    // Again: the same container, the same uid.
+    one.create(&spec("gitea-task-21", facade_dir)).await.unwrap();
+    assert_eq!(uid_of(&names[0]), uid);
+
+    // All held: the next one waits (a retryable error that says why).
+    let error = one.create(&spec("gitea-task-23", facade_dir)).await.unwrap_err();
+    assert!(matches!(error, driver::DriverError::Unavailable { .. }) && error.to_string().contains("every runner uid"), "{error}");
+    // A removed container's uid is free again.
+    one.delete(&names[0]).await.unwrap();
+    one.create(&spec("gitea-task-23", facade_dir)).await.unwrap();
+    assert_eq!(uid_of(&driver::environment_name("test", "gitea-task-23")), uid);
+    for id in ["gitea-task-22", "gitea-task-23"] {
+        one.delete(&driver::environment_name("test", id)).await.unwrap();
+    }
+}

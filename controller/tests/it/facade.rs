@@ -360,7 +360,13 @@ async fn refusals_have_the_right_status_codes() {
     let peer = Peer::Spiffe("spiffe://example.org/ci/owner/other/build".into());
     let status = h.facade.claim(&peer, claim(&id, &capability, HOLDER)).await.unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied, "{status}");
-    let right = "spiffe://example.org/ci/owner/repo/build";
+    // Nor another task of the same job key (a fork's pull request may name its job like
+    // the base repository's), nor the job-wide identity of envelopes before version 3.
+    for same_key in [format!("spiffe://example.org/ci/owner/repo/build/{}", task.id + 1), "spiffe://example.org/ci/owner/repo/build".to_owned()] {
+        let status = h.facade.claim(&Peer::Spiffe(same_key.clone()), claim(&id, &capability, HOLDER)).await.unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{same_key}: {status}");
+    }
+    let right = format!("spiffe://example.org/ci/owner/repo/build/{}", task.id);
     // Every SPIFFE ID one character away from the right one — at every position, by every
     // printable ASCII character — is refused.
     let chars: Vec<char> = right.chars().collect();
@@ -376,7 +382,7 @@ async fn refusals_have_the_right_status_codes() {
         }
     }
     println!("{mutations} one-character mutations of {right} refused");
-    assert!(h.facade.claim(&Peer::Spiffe(right.into()), claim(&id, &capability, HOLDER)).await.is_ok());
+    assert!(h.facade.claim(&Peer::Spiffe(right.clone()), claim(&id, &capability, HOLDER)).await.is_ok());
     h.shutdown.cancel();
 }
 

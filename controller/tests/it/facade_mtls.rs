@@ -18,7 +18,8 @@ use testkit::workload::{Ca, FakeWorkloadApi, Offer};
 use tokio_util::sync::CancellationToken;
 
 const FACADE_ID: &str = "spiffe://example.org/ci/controller";
-const JOB_ID: &str = "spiffe://example.org/ci/owner/repo/build";
+/// Task 77's identity.
+const JOB_ID: &str = "spiffe://example.org/ci/owner/repo/build/77";
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef-mtls";
 
 fn task() -> proto::runner::v1::Task {
@@ -81,7 +82,7 @@ async fn only_the_jobs_own_svid_may_claim() {
     let job_api = FakeWorkloadApi::start_with(dir.path(), "job.sock", Arc::clone(&ca)).await;
     job_api.set(Offer::Ids(vec![JOB_ID.into()]));
     let intruder_api = FakeWorkloadApi::start_with(dir.path(), "intruder.sock", Arc::clone(&ca)).await;
-    intruder_api.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/other-repo/build".into()]));
+    intruder_api.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/repo/build/78".into()]));
 
     let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap());
     let rules = Rules { trust_domain: "example.org".into(), labels: LabelPolicy::seed_compatible() };
@@ -105,7 +106,8 @@ async fn only_the_jobs_own_svid_may_claim() {
     let mut intruder = client(source(&intruder_api).await, address);
     let status = claim_retrying(&mut intruder, &request).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status}");
-    assert!(status.message().contains("other-repo"), "{status}");
+    // Another task of the same job key of the same repository: its SVID is not this task's.
+    assert!(status.message().contains("owner/repo/build/78"), "{status}");
 
     let mut job = client(source(&job_api).await, address);
     let claimed = claim_retrying(&mut job, &request).await.unwrap().into_inner();

@@ -181,7 +181,7 @@ async fn tasks_become_persisted_assignments_and_bad_ones_fail_at_once() {
         assert_eq!(record.value.runner, runner, "the fetching runner is recorded");
         let assignment = Assignment::decode(&record.value.envelope, &rules()).unwrap();
         assert_eq!(assignment.id, record.value.assignment_id);
-        assert_eq!(assignment.identity.spiffe_id, "spiffe://example.org/ci/owner/repo/build");
+        assert_eq!(assignment.identity.spiffe_id, format!("spiffe://example.org/ci/owner/repo/build/{}", assignment.task.id));
         assert!(fake.with(|s| s.tasks.contains_key(&assignment.task.id)));
     }
     // The kubernetes task fetched by the docker registration counts against kubernetes.

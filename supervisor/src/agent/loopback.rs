@@ -331,7 +331,7 @@ impl Loopback {
             message.no_more = false;
         }
         let upstream = &served.upstream;
-        let answer = proto::pieces::send_log_in_pieces(&message, MAX_PIECE_BYTES, LOG_CALL_BUDGET, |piece| upstream.update_log(piece)).await?;
+        let answer = proto::pieces::send_log_in_pieces(message, MAX_PIECE_BYTES, LOG_CALL_BUDGET, |piece| upstream.update_log(piece)).await?;
         Ok(Response::new(answer))
     }
 }

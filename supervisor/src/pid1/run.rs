@@ -93,6 +93,17 @@ impl Supervisor {
             drain_timeout = ?self.settings.drain_timeout,
             "supervisor starting; the drain needs a termination grace period longer than the drain timeout"
         );
+        // The runner's ids before anything runs as the runner.
+        match super::user::adopt(&self.settings.user, std::path::Path::new("/etc")) {
+            Ok(adopted) if adopted == super::user::Adopted::default() => {}
+            Ok(adopted) => {
+                tracing::info!(uid = self.settings.user.uid, gid = self.settings.user.gid, subordinate = ?self.settings.user.subordinate, files = ?adopted.files, home_entries = adopted.home_entries, "the runner user takes this environment's ids")
+            }
+            Err(error) => {
+                tracing::error!(error = %crate::error_chain(&error), "cannot give the runner user this environment's ids");
+                return exit::INTERNAL;
+            }
+        }
         // A rootless dockerd gets no cgroup of its own to manage.
         if self.settings.docker && !self.settings.docker_rootless {
             self.nest_cgroups();

@@ -17,6 +17,20 @@ pub struct RunnerUser {
     /// The docker group: owns dockerd's socket and is the runner's supplementary group.
     pub docker_gid: u32,
     pub home: PathBuf,
+    /// The runner's subordinate uids and gids (a rootless dockerd's), when the driver gives
+    /// this environment a range of its own; otherwise the image's.
+    pub subordinate: Option<IdRange>,
+    /// Whether a driver gave these ids (rather than the image's defaults standing): only
+    /// then does PID 1 rewrite the image's entries (`pid1::user`), never a host's /etc when
+    /// the supervisor runs elsewhere.
+    pub assigned: bool,
+}
+
+/// `count` ids from `first`, as /etc/subuid writes them (`FIRST:COUNT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdRange {
+    pub first: u32,
+    pub count: u32,
 }
 
 impl RunnerUser {

@@ -302,7 +302,7 @@ pub struct Controller {
     _dir: Option<tempfile::TempDir>,
 }
 
-/// A fresh state directory everyone may enter (the facade socket is used by uid 2000).
+/// A fresh state directory everyone may enter (the facade socket is used by the runner uid).
 pub fn state_dir() -> tempfile::TempDir {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::Builder::new().prefix("gdr-e2e-controller-").tempdir_in("/tmp").unwrap();

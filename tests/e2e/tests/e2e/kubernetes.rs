@@ -510,7 +510,9 @@ async fn a_pod_claims_its_job_over_mtls_with_the_svid_of_its_own_entry() {
     let controller = Controller::start(options).await;
 
     gitea.commit_workflow(&repo, "identified.yml", IDENTIFIED).await;
-    let job_id = format!("spiffe://e2e.test/ci/{}/{}/build", repo.owner, repo.name);
+    // One identity per task: the repository, the job key and the task's id.
+    let task = gitea.wait_for_tasks(&repo, Duration::from_secs(120), |t| !t.is_empty()).await[0].id;
+    let job_id = format!("spiffe://e2e.test/ci/{}/{}/build/{task}", repo.owner, repo.name);
     let path =
         |e: &serde_json::Value| format!("spiffe://{}{}", e["spiffe_id"]["trust_domain"].as_str().unwrap_or(""), e["spiffe_id"]["path"].as_str().unwrap_or(""));
     wait_until("the Pod's SPIRE entry exists", Duration::from_secs(120), || spire.entries().iter().any(|e| path(e) == job_id)).await;

@@ -13,6 +13,10 @@
 //! in-flight allowance, and every abuse is answered with the status docs/security.md names
 //! and counted in a metric. Every environment has one CPU (`docker.cpus`), so the hostile
 //! job measures what the controller shares, not the CPU.
+//!
+//! The kernel's per-user budgets are the second test's: a job holding every inotify
+//! instance of its uid leaves another job its own, because each environment runs as a host
+//! uid of its own (`docker.runner_ids`).
 
 use std::{
     sync::{
@@ -312,4 +316,82 @@ async fn hostile_job_leaves_the_neighbour_unharmed(mode: &str, docker_extra: &st
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_job_costs_its_neighbour_nothing_in_the_default_mode() {
     hostile_job_leaves_the_neighbour_unharmed("default", "").await;
+}
+
+/// Takes every inotify instance its uid may have (the kernel counts them per user:
+/// `fs.inotify.max_user_instances`) and holds them for `$HOLD` seconds.
+const HOG: &str = r#"
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+held = []
+while True:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    held.append(fd)
+print(f"hog: held {len(held)} inotify instances as uid {os.getuid()} (then errno {ctypes.get_errno()})", flush=True)
+time.sleep(float(os.environ["HOLD"]))
+"#;
+
+/// Asks for one inotify instance and says what it got.
+const PROBE: &str = r#"
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+print(f"probe: uid {os.getuid()}: " + ("inotify ok" if fd >= 0 else f"inotify refused, errno {ctypes.get_errno()}"))
+"#;
+
+fn python_workflow(name: &str, script: &str, hold_seconds: u64) -> String {
+    use base64::Engine as _;
+    let script = base64::engine::general_purpose::STANDARD.encode(script);
+    format!(
+        "name: {name}\non: push\njobs:\n  {name}:\n    runs-on: [disposable, container, docker]\n    steps:\n      - env:\n          HOLD: \"{hold_seconds}\"\n        run: echo '{script}' | base64 -d > \"$RUNNER_TEMP/{name}.py\" && python3 \"$RUNNER_TEMP/{name}.py\"\n"
+    )
+}
+
+/// The hog's line and the probe's, with `docker_extra` in `[docker]`.
+async fn inotify_beside_a_hog(docker_extra: &str) -> (String, String) {
+    let _turn = e2e::exclusive().await;
+    let docker = host();
+    let gitea = Gitea::start(testkit::gitea::GiteaOptions { bind: docker.bridge_ip.into(), ..Default::default() }).await;
+    let token = gitea.runner_registration_token().await;
+    let mut options = Options::new(&gitea.url(), &token, &docker.image("gitea-runner"), &docker.socket);
+    options.job_dockerd = false;
+    options.capacity = 2;
+    options.docker_extra = docker_extra.to_owned();
+    let mut controller = e2e::stack::Controller::start(options).await;
+    let hog = gitea.create_repo("hog").await;
+    gitea.commit_workflow(&hog, "hog.yml", &python_workflow("hog", HOG, 300)).await;
+    gitea.wait_for_log(&hog, 1, 0, "hog: held").await;
+    let probe = gitea.create_repo("probe").await;
+    gitea.commit_workflow(&probe, "probe.yml", &python_workflow("probe", PROBE, 0)).await;
+    let tasks = gitea.wait_for_tasks(&probe, Duration::from_secs(180), |t| !t.is_empty() && t.iter().all(|t| !t.is_open())).await;
+    let line = |log: String, prefix: &str| log.lines().find_map(|l| l.find(prefix).map(|at| l[at..].trim().to_owned())).unwrap_or_default();
+    let probe_log = testkit::gitea::strip_log_timestamps(&gitea.job_log(&probe, tasks[0].run_number, 0).await);
+    assert_eq!(tasks[0].status, "success", "{probe_log}");
+    let hog_line = line(testkit::gitea::strip_log_timestamps(&gitea.job_log(&hog, 1, 0).await), "hog: held");
+    gitea.cancel_run(&hog, 1).await;
+    controller.wait_until_all_terminal(Duration::from_secs(60)).await;
+    controller.stop().await;
+    (hog_line, line(probe_log, "probe: uid"))
+}
+
+/// F3 of the review: one job holding every inotify instance its uid may have leaves the
+/// next job its own, because each environment runs as a host uid of its own
+/// (`docker.runner_ids`). With `count = 0` — every job as the image's uid 2000, as before —
+/// the same hog takes them from the other job: what the first half would catch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_holding_its_uids_kernel_budget_leaves_the_next_job_its_own() {
+    let (hog, probe) = inotify_beside_a_hog("").await;
+    println!("own uids:    {hog}\n             {probe}");
+    let uid = |line: &str| line.split("uid ").nth(1).and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()).unwrap_or_default().to_owned();
+    assert!(hog.starts_with("hog: held ") && !hog.starts_with("hog: held 0 "), "{hog}");
+    assert_ne!(uid(&hog), uid(&probe), "{hog} / {probe}");
+    assert!(uid(&hog).parse::<u32>().unwrap() >= 2_000_000, "{hog}");
+    assert!(probe.ends_with("inotify ok"), "{hog} / {probe}");
+
+    let (hog, probe) = inotify_beside_a_hog("runner_ids = { count = 0 }").await;
+    println!("one uid:     {hog}\n             {probe}");
+    assert_eq!((uid(&hog).as_str(), uid(&probe).as_str()), ("2000", "2000"), "{hog} / {probe}");
+    assert!(probe.ends_with("inotify refused, errno 24"), "{hog} / {probe}");
 }

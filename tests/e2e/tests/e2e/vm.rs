@@ -173,8 +173,11 @@ async fn a_sandbox_claims_its_job_with_exactly_its_svid_from_its_spire_entry() {
 
     gitea.commit_workflow(&repo, "identified.yml", IDENTIFIED).await;
     gitea.commit_workflow(&second, "identified.yml", IDENTIFIED).await;
-    let job_id = format!("spiffe://e2e.test/ci/{}/{}/build", repo.owner, repo.name);
-    let second_id = format!("spiffe://e2e.test/ci/{}/{}/build", second.owner, second.name);
+    // One identity per task: the repository, the job key and the task's id.
+    let task = gitea.wait_for_tasks(&repo, Duration::from_secs(120), |t| !t.is_empty()).await[0].id;
+    let second_task = gitea.wait_for_tasks(&second, Duration::from_secs(120), |t| !t.is_empty()).await[0].id;
+    let job_id = format!("spiffe://e2e.test/ci/{}/{}/build/{task}", repo.owner, repo.name);
+    let second_id = format!("spiffe://e2e.test/ci/{}/{}/build/{second_task}", second.owner, second.name);
     let path =
         |e: &serde_json::Value| format!("spiffe://{}{}", e["spiffe_id"]["trust_domain"].as_str().unwrap_or(""), e["spiffe_id"]["path"].as_str().unwrap_or(""));
     wait_until("both sandboxes' SPIRE entries exist at once", Duration::from_secs(120), || {

@@ -21,10 +21,16 @@
 //!   and device list. A job step is root on the host there: trusted code only.
 //!
 //! Every container is bounded (memory, CPUs, processes, the size of its loop-backed
-//! storage): it shares the host with the controller and the other jobs. Its own facade
-//! directory (`facade::sockets`) is mounted at `contract::facade::ENVIRONMENT_DIR`.
+//! storage) and runs its job as a host uid of its own ([`ids`]): it shares the host with
+//! the controller and the other jobs. Its own facade directory (`facade::sockets`) is
+//! mounted at `contract::facade::ENVIRONMENT_DIR`.
 
-use std::collections::{BTreeMap, HashMap};
+pub mod ids;
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    sync::Arc,
+};
 
 use async_trait::async_trait;
 use bollard::{
@@ -34,6 +40,7 @@ use bollard::{
 };
 use serde::Deserialize;
 
+use self::ids::{RunnerIds, SUBORDINATE_COUNT, Slot};
 use super::{Driver, DriverError, Environment, EnvironmentSpec, LABEL_ASSIGNMENT, LABEL_MANAGED, Phase};
 use crate::{
     assignment::placement::Placement,
@@ -97,7 +104,13 @@ pub struct DockerConfig {
     /// file in the container's writable layer that grows up to this.
     #[serde(default = "default_storage_size")]
     pub storage_size: String,
+    /// A host uid (and subordinate range) of its own for each environment ([`ids`]).
+    #[serde(default)]
+    pub runner_ids: RunnerIds,
 }
+
+/// The label that records a container's runner uid ([`ids`]).
+pub const LABEL_RUNNER_UID: &str = "gitea-dynamic-runner/runner-uid";
 
 /// Capabilities of Docker's default set that an environment without a job-local dockerd
 /// never needs (the supervisor keeps SETUID/SETGID/CHOWN/FOWNER/DAC_OVERRIDE/KILL to start
@@ -108,7 +121,11 @@ fn default_seccomp_profile() -> String {
     "/usr/share/containers/seccomp.json".into()
 }
 /// The rootless dockerd's socket in the environment: the runner's runtime directory.
-const ROOTLESS_SOCKET: &str = "/run/user/2000/docker.sock";
+fn rootless_socket(uid: u32) -> String {
+    format!("/run/user/{uid}/docker.sock")
+}
+/// The image's runner uid, for environments that share it.
+const IMAGE_RUNNER_UID: u32 = 2000;
 /// Where a rootless dockerd keeps its images: an anonymous volume, removed with the
 /// container (a user namespace's overlay cannot stack on the container's own).
 const ROOTLESS_DATA_ROOT: &str = "/var/lib/docker";
@@ -184,6 +201,7 @@ impl DockerConfig {
             cpus: default_cpus(),
             pids_limit: default_pids(),
             storage_size: default_storage_size(),
+            runner_ids: RunnerIds::SHARED,
         }
     }
 
@@ -265,6 +283,8 @@ pub struct DockerDriver {
     config: DockerConfig,
     /// The seccomp profile of rootless environments, read once (`rootless_dockerd`).
     rootless_seccomp: Option<String>,
+    /// Held from choosing a runner uid until the container that records it exists.
+    choosing_ids: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl DockerDriver {
@@ -285,7 +305,7 @@ impl DockerDriver {
             .negotiate_version()
             .await
             .map_err(|e| unavailable(format!("the Docker daemon at {} does not answer: {e}", config.socket)))?;
-        Ok(DockerDriver { placement: Placement::CONTAINER_DOCKER, docker, config, rootless_seccomp })
+        Ok(DockerDriver { placement: Placement::CONTAINER_DOCKER, docker, config, rootless_seccomp, choosing_ids: Arc::default() })
     }
 
     /// Places its environments under `placement` in labels and errors (run-local runs a
@@ -317,7 +337,7 @@ impl DockerDriver {
         DriverError::Unavailable { placement: self.placement.to_string(), detail: detail.into() }
     }
 
-    fn body(&self, spec: &EnvironmentSpec) -> ContainerCreateBody {
+    fn body(&self, spec: &EnvironmentSpec, slot: Option<Slot>) -> ContainerCreateBody {
         let mut binds = Vec::new();
         if let Some(facade_dir) = &spec.facade_dir {
             // Read-write: PID 1 removes the capability file once it has read it.
@@ -327,6 +347,16 @@ impl DockerDriver {
         // Validated when the configuration was read.
         let (memory, nano_cpus) = config.limits().unwrap_or((4 << 30, 2_000_000_000));
         let mut env: Vec<String> = spec.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mut labels: HashMap<String, String> = spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        if let Some(slot) = slot {
+            use contract::environment::runner_user;
+            env.extend([
+                format!("{}={}", runner_user::UID, slot.uid),
+                format!("{}={}", runner_user::GID, slot.uid),
+                format!("{}={}:{SUBORDINATE_COUNT}", runner_user::SUBORDINATE_IDS, slot.subordinate),
+            ]);
+            labels.insert(LABEL_RUNNER_UID.to_owned(), slot.uid.to_string());
+        }
         if !config.registry_mirrors.is_empty() {
             env.push(format!("SUPERVISOR_REGISTRY_MIRRORS={}", config.registry_mirrors.join(",")));
         }
@@ -339,7 +369,8 @@ impl DockerDriver {
             env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
             (config.cap_drop.clone(), config.security_opt.clone())
         } else if let Some(profile) = &self.rootless_seccomp {
-            env.extend(["SUPERVISOR_DOCKER_ROOTLESS=true".to_owned(), format!("SUPERVISOR_DOCKER_SOCKET={ROOTLESS_SOCKET}")]);
+            let socket = rootless_socket(slot.map_or(IMAGE_RUNNER_UID, |slot| slot.uid));
+            env.extend(["SUPERVISOR_DOCKER_ROOTLESS=true".to_owned(), format!("SUPERVISOR_DOCKER_SOCKET={socket}")]);
             devices = Some(vec![bollard::models::DeviceMapping {
                 path_on_host: Some("/dev/net/tun".into()),
                 path_in_container: Some("/dev/net/tun".into()),
@@ -381,11 +412,63 @@ impl DockerDriver {
         ContainerCreateBody {
             image: Some(config.image.clone()),
             env: Some(env),
-            labels: Some(spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
+            labels: Some(labels),
             volumes,
             host_config: Some(host_config),
             ..Default::default()
         }
+    }
+
+    /// A runner uid no container on this host holds ([`ids`]); the one a container of
+    /// this name already holds when an earlier attempt made it.
+    async fn free_slot(&self, spec: &EnvironmentSpec) -> Result<Slot, DriverError> {
+        let ids = &self.config.runner_ids;
+        let held = self.runner_uids(None).await?;
+        if let Some(slot) = held.iter().find(|(name, _, _)| *name == spec.name).and_then(|(_, uid, _)| ids.slot_of(*uid)) {
+            return Ok(slot);
+        }
+        let used: BTreeSet<u32> = held.iter().map(|(_, uid, _)| *uid).collect();
+        ids.free(&used).ok_or_else(|| {
+            self.unavailable(format!(
+                "every runner uid of docker.runner_ids ({} from {}) is held by a container on this host: the job waits for one to end \
+                 (another controller's, or containers left behind: docker ps --filter label={LABEL_RUNNER_UID})",
+                ids.count, ids.first_uid
+            ))
+        })
+    }
+
+    /// Another controller on this host may have chosen the same uid at the same moment: the
+    /// container made first keeps it (then the lower name), the other is removed and made
+    /// again later.
+    async fn keep_slot_or_yield(&self, spec: &EnvironmentSpec, slot: Slot) -> Result<(), DriverError> {
+        let mut holders = self.runner_uids(Some(slot.uid)).await?;
+        holders.sort_by(|a, b| (a.2, &a.0).cmp(&(b.2, &b.0)));
+        match holders.first() {
+            Some((first, _, _)) if *first != spec.name => {
+                self.delete(&spec.name).await?;
+                Err(self.unavailable(format!("runner uid {} was taken at the same moment by {first}; {} is made again shortly", slot.uid, spec.name)))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// (name, runner uid, created) of every container on this host that holds a runner
+    /// uid (that holds `uid`, when given).
+    async fn runner_uids(&self, uid: Option<u32>) -> Result<Vec<(String, u32, i64)>, DriverError> {
+        let label = match uid {
+            Some(uid) => format!("{LABEL_RUNNER_UID}={uid}"),
+            None => LABEL_RUNNER_UID.to_owned(),
+        };
+        let options = ListContainersOptions { all: true, filters: Some(HashMap::from([("label".to_owned(), vec![label])])), ..Default::default() };
+        let containers = self.docker.list_containers(Some(options)).await.map_err(|e| self.unavailable(format!("listing containers: {e}")))?;
+        Ok(containers
+            .into_iter()
+            .filter_map(|container| {
+                let name = container.names?.into_iter().next()?.trim_start_matches('/').to_owned();
+                let uid = container.labels?.get(LABEL_RUNNER_UID)?.parse().ok()?;
+                Some((name, uid, container.created.unwrap_or_default()))
+            })
+            .collect())
     }
 
     async fn inspect(&self, name: &str) -> Result<Option<Environment>, DriverError> {
@@ -436,9 +519,20 @@ impl Driver for DockerDriver {
     }
 
     async fn create(&self, spec: &EnvironmentSpec) -> Result<Environment, DriverError> {
+        let choosing = if self.config.runner_ids.is_shared() { None } else { Some(self.choosing_ids.lock().await) };
+        let slot = match choosing {
+            Some(_) => Some(self.free_slot(spec).await?),
+            None => None,
+        };
         let options = CreateContainerOptions { name: Some(spec.name.clone()), ..Default::default() };
-        match self.docker.create_container(Some(options), self.body(spec)).await {
-            Ok(_) => {}
+        let created = self.docker.create_container(Some(options), self.body(spec, slot)).await;
+        drop(choosing);
+        match created {
+            Ok(_) => {
+                if let Some(slot) = slot {
+                    self.keep_slot_or_yield(spec, slot).await?;
+                }
+            }
             // The name exists: an earlier attempt created it; use that one.
             Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {}
             Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, message }) => {
