@@ -117,6 +117,9 @@ pub enum DriverError {
     Unavailable { placement: String, detail: String },
     #[error("the {placement} driver refused {name}: {detail}")]
     Refused { placement: String, name: String, detail: String },
+    /// Nothing is wrong, but the environment cannot be made yet (the worker tries again).
+    #[error("the {placement} driver cannot make {name} yet: {detail}")]
+    Waiting { placement: String, name: String, detail: String },
 }
 
 #[async_trait]

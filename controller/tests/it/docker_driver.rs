@@ -201,7 +201,7 @@ async fn each_environment_holds_a_runner_uid_of_its_own_until_it_is_removed() {
 
     // All held: the next one waits (a retryable error that says why).
     let error = one.create(&spec("gitea-task-23", facade_dir)).await.unwrap_err();
-    assert!(matches!(error, driver::DriverError::Unavailable { .. }) && error.to_string().contains("every runner uid"), "{error}");
+    assert!(matches!(error, driver::DriverError::Waiting { .. }) && error.to_string().contains("every runner uid"), "{error}");
     // A removed container's uid is free again.
     one.delete(&names[0]).await.unwrap();
     one.create(&spec("gitea-task-23", facade_dir)).await.unwrap();

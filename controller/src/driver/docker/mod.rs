@@ -428,12 +428,14 @@ impl DockerDriver {
             return Ok(slot);
         }
         let used: BTreeSet<u32> = held.iter().map(|(_, uid, _)| *uid).collect();
-        ids.free(&used).ok_or_else(|| {
-            self.unavailable(format!(
+        ids.free(&used).ok_or_else(|| DriverError::Waiting {
+            placement: self.placement.to_string(),
+            name: spec.name.clone(),
+            detail: format!(
                 "every runner uid of docker.runner_ids ({} from {}) is held by a container on this host: the job waits for one to end \
                  (another controller's, or containers left behind: docker ps --filter label={LABEL_RUNNER_UID})",
                 ids.count, ids.first_uid
-            ))
+            ),
         })
     }
 
@@ -446,7 +448,11 @@ impl DockerDriver {
         match holders.first() {
             Some((first, _, _)) if *first != spec.name => {
                 self.delete(&spec.name).await?;
-                Err(self.unavailable(format!("runner uid {} was taken at the same moment by {first}; {} is made again shortly", slot.uid, spec.name)))
+                Err(DriverError::Waiting {
+                    placement: self.placement.to_string(),
+                    name: spec.name.clone(),
+                    detail: format!("runner uid {} was taken at the same moment by {first}; it is made again shortly", slot.uid),
+                })
             }
             _ => Ok(()),
         }
