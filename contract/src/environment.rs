@@ -38,6 +38,11 @@ pub const GITEA_URL: &str = "CI_GITEA_URL";
 /// What a driver tells the supervisor about the runner user beyond the contract (the
 /// supervisor's own flags, read from these variables).
 pub mod runner_user {
+    /// The runner's uid and gid in the runner image (rootfs/Dockerfile): what environments
+    /// run as when no driver assigns other ids.
+    pub const IMAGE_ID: u32 = 2000;
+    /// The image's docker group (owns dockerd's socket): no runner gid may be it.
+    pub const IMAGE_DOCKER_GID: u32 = 2001;
     /// The host uid the agent and the job run as (`--runner-uid`; the image's 2000 when unset).
     pub const UID: &str = "SUPERVISOR_RUNNER_UID";
     /// The runner's primary gid (`--runner-gid`).

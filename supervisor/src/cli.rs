@@ -117,7 +117,7 @@ pub struct RunnerUserArgs {
     #[arg(long, env = env::runner_user::SUBORDINATE_IDS, value_parser = parse_id_range)]
     pub subordinate_ids: Option<IdRange>,
     /// Gid of the docker group: owns dockerd's socket and is the runner's supplementary group.
-    #[arg(long, env = "SUPERVISOR_DOCKER_GID", default_value_t = 2001, value_parser = parse_unprivileged_id)]
+    #[arg(long, env = "SUPERVISOR_DOCKER_GID", default_value_t = env::runner_user::IMAGE_DOCKER_GID, value_parser = parse_unprivileged_id)]
     pub docker_gid: u32,
     /// HOME of the runner user.
     #[arg(long, env = "SUPERVISOR_RUNNER_HOME", default_value = "/home/runner", value_parser = parse_absolute)]
@@ -231,15 +231,12 @@ pub struct DoctorArgs {
     pub user: RunnerUserArgs,
 }
 
-/// The runner's uid and gid in the image (rootfs/Dockerfile).
-const IMAGE_RUNNER_ID: u32 = 2000;
-
 impl RunnerUserArgs {
     /// The user, in the terms of PID 1 and doctor.
     pub fn user(&self) -> RunnerUser {
         RunnerUser {
-            uid: self.runner_uid.unwrap_or(IMAGE_RUNNER_ID),
-            gid: self.runner_gid.unwrap_or(IMAGE_RUNNER_ID),
+            uid: self.runner_uid.unwrap_or(env::runner_user::IMAGE_ID),
+            gid: self.runner_gid.unwrap_or(env::runner_user::IMAGE_ID),
             docker_gid: self.docker_gid,
             home: self.runner_home.clone(),
             subordinate: self.subordinate_ids,

@@ -8,14 +8,13 @@
 
 use std::collections::BTreeSet;
 
+use contract::environment::runner_user::IMAGE_DOCKER_GID as DOCKER_GID;
 use serde::Deserialize;
 
 use crate::setting::Problems;
 
 /// The ids a rootless dockerd maps: what `dockerd-rootless.sh` needs of /etc/subuid.
 pub const SUBORDINATE_COUNT: u32 = 65_536;
-/// The image's docker group: no runner gid may be it.
-const DOCKER_GID: u32 = 2001;
 
 /// `docker.runner_ids`: environment `i` runs as uid and gid `first_uid + i` and maps
 /// `first_subordinate + i × 65536` … (65,536 ids). `count = 0` runs every environment as

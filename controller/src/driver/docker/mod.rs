@@ -124,8 +124,6 @@ fn default_seccomp_profile() -> String {
 fn rootless_socket(uid: u32) -> String {
     format!("/run/user/{uid}/docker.sock")
 }
-/// The image's runner uid, for environments that share it.
-const IMAGE_RUNNER_UID: u32 = 2000;
 /// Where a rootless dockerd keeps its images: an anonymous volume, removed with the
 /// container (a user namespace's overlay cannot stack on the container's own).
 const ROOTLESS_DATA_ROOT: &str = "/var/lib/docker";
@@ -369,7 +367,7 @@ impl DockerDriver {
             env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
             (config.cap_drop.clone(), config.security_opt.clone())
         } else if let Some(profile) = &self.rootless_seccomp {
-            let socket = rootless_socket(slot.map_or(IMAGE_RUNNER_UID, |slot| slot.uid));
+            let socket = rootless_socket(slot.map_or(contract::environment::runner_user::IMAGE_ID, |slot| slot.uid));
             env.extend(["SUPERVISOR_DOCKER_ROOTLESS=true".to_owned(), format!("SUPERVISOR_DOCKER_SOCKET={socket}")]);
             devices = Some(vec![bollard::models::DeviceMapping {
                 path_on_host: Some("/dev/net/tun".into()),
