@@ -514,6 +514,14 @@ mod bounds {
         tokio::time::sleep(backend.tick()).await;
         aged.sweep().await.unwrap();
         assert!(restore_v1(&cache, &main, &["gone"]).await.is_none(), "evicted with its mark");
+        // The race of the review's F6(a): a restore listed the entry before the sweep took
+        // it, and writes its mark after. The mark alone is no entry; the next sweep drops it.
+        use object_store::ObjectStoreExt as _;
+        let late_mark = cache::store::Storage::used_path("acme/app", "refs/heads/main", VERSION, "gone");
+        backend.store().store.put(&late_mark, object_store::PutPayload::default()).await.unwrap();
+        assert!(restore_v1(&cache, &main, &["gone"]).await.is_none(), "a mark without its entry restores nothing");
+        aged.sweep().await.unwrap();
+        assert!(backend.store().store.head(&late_mark).await.is_err(), "the sweep drops a mark whose entry went");
         assert_eq!(save_v1(&cache, &main, "gone", b"new", 100).await, (200, 200), "the key saves again");
         assert_eq!(restore_v1(&cache, &main, &["gone"]).await.unwrap().1.as_ref(), b"new");
     }

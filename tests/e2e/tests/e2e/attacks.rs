@@ -9,10 +9,13 @@
 //! allows is shown, not assumed.
 //!
 //! The attacker knows what an attacker could: the host paths of the controller's files
-//! (defaults are public), the victims' assignment ids, and — as if read from a Pod spec
-//! or `docker inspect` — a valid capability and session of each victim. It is what a
-//! fork's pull request can be: a `pull_request` run of another ref of the running
-//! victim's repository, whose job has the victim's job key.
+//! (defaults are public), the victims' assignment ids, the ids of the victims' cache
+//! archives, and — as if read from a Pod spec or `docker inspect` — a valid capability
+//! and session of each victim. It is what a fork's pull request can be: a `pull_request`
+//! run of another ref of the running victim's repository, whose job has the victim's job
+//! key. Both victims are of that repository: the running one on `main` (an entry in the
+//! cache, and a save it never commits), the ended one on the branch `ended` (an entry a
+//! pull request does not read).
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -40,7 +43,7 @@ use testkit::{
 const KEY: &[u8] = b"e2e-capability-key-0123456789abcdef0123456789";
 
 /// Every attempt, in the order of docs/security.md's table.
-const ATTEMPTS: [&str; 13] = [
+const ATTEMPTS: [&str; 17] = [
     "own-capability",
     "other-task-claim",
     "other-task-report",
@@ -54,7 +57,21 @@ const ATTEMPTS: [&str; 13] = [
     "host",
     "user-namespace",
     "controller-http",
+    "cache-save-scope",
+    "cache-other-ref",
+    "cache-evicted-entry",
+    "cache-v2-oversized",
 ];
+
+/// `cache.max_repository_size` in the suite: small, so that the attacker's saves push its
+/// repository past it (and the largest entry is this too).
+const CACHE_MAX_REPOSITORY: u64 = 16 << 20;
+/// What each victim saves.
+const VICTIM_ENTRY: u64 = 2 << 20;
+/// The attacker's save that pushes the repository past its limit: with both victims' entries
+/// it is over by more than one of them (both go, oldest first), and with the repository's
+/// other uploads in flight (4 KiB saves not counted yet) it stays within the largest entry.
+const FILLER: u64 = CACHE_MAX_REPOSITORY - (3 << 19);
 
 /// A gRPC message as curl sends it: the 5-byte frame header, then the protobuf.
 fn frame(message: &impl prost::Message) -> String {
@@ -89,6 +106,64 @@ struct Loot {
     /// A root-only file on the host and what it holds.
     marker: std::path::PathBuf,
     marker_value: String,
+    /// Cache archives by id: the running victim's entry on `main` (which a pull request
+    /// reads), its save never committed, and the ended victim's entry on `ended`.
+    main_archive: u64,
+    open_upload: u64,
+    other_ref_archive: u64,
+}
+
+/// The cache client of the victims' and the attacker's steps: the v1 calls
+/// `actions/cache` makes, with the job's own URL and runtime token.
+const CACHE_CLIENT: &str = r#"
+cache="${ACTIONS_CACHE_URL%/}"
+bearer="Authorization: Bearer $ACTIONS_RUNTIME_TOKEN"
+version=abababababababababababababababababababababababababababababababab
+reserve() { # KEY BYTES → the upload's id, or the answer when refused (and 1)
+  answer=$(curl -s -w ' %{http_code}' -X POST -H "$bearer" -H 'Content-Type: application/json' \
+    -d "{\"key\":\"$1\",\"version\":\"$version\",\"cacheSize\":$2}" "$cache/_apis/artifactcache/caches")
+  printf '%s' "$answer" | grep -o '"cacheId":[0-9]*' | grep -o '[0-9]*$' || { echo "reserve refused: $answer" | head -c 300; return 1; }
+}
+upload() { # ID BYTES → the status of the last part (8 MiB parts of random bytes)
+  start=0; status=204
+  while [ "$start" -lt "$2" ] && [ "$status" = 204 ]; do
+    size=$(($2 - start)); [ "$size" -gt 8388608 ] && size=8388608
+    head -c "$size" /dev/urandom > /tmp/part
+    status=$(curl -s -o /dev/null -w '%{http_code}' -X PATCH -H "$bearer" -H 'Content-Type: application/octet-stream' \
+      -H "Content-Range: bytes $start-$((start + size - 1))/*" --data-binary @/tmp/part "$cache/_apis/artifactcache/caches/$1")
+    start=$((start + size))
+  done
+  echo "$status"
+}
+commit() { # ID BYTES → status
+  curl -s -o /dev/null -w '%{http_code}' -X POST -H "$bearer" -H 'Content-Type: application/json' -d "{\"size\":$2}" "$cache/_apis/artifactcache/caches/$1"
+}
+save() { # KEY BYTES → the entry's id, or why not
+  id=$(reserve "$1" "$2") || { echo "$id"; return 1; }
+  up=$(upload "$id" "$2"); [ "$up" = 204 ] || { echo "upload: $up"; return 1; }
+  committed=$(commit "$id" "$2"); [ "$committed" = 200 ] || { echo "commit: $committed"; return 1; }
+  echo "$id"
+}
+"#;
+
+/// A victim's first step: an entry of its own (and, with `open`, a save it never commits);
+/// the ids as `cache-id NAME ID` lines.
+fn victim_saves(key: &str, open: bool) -> String {
+    let mut script =
+        format!("{CACHE_CLIENT}\nset -e\nid=$(save {key} {VICTIM_ENTRY}) || {{ echo \"cannot save {key}: $id\"; exit 1; }}\necho \"cache-id {key} $id\"\n");
+    if open {
+        script.push_str("open=$(reserve never-committed 4096)\n[ \"$(upload \"$open\" 4096)\" = 204 ]\necho \"cache-id never-committed $open\"\n");
+    }
+    base64::engine::general_purpose::STANDARD.encode(script)
+}
+
+/// The `cache-id NAME ID` a victim's log printed.
+fn cache_id(log: &str, name: &str) -> u64 {
+    let prefix = format!("cache-id {name} ");
+    log.lines()
+        .find_map(|line| line.trim().strip_prefix(&prefix))
+        .and_then(|id| id.trim().parse().ok())
+        .unwrap_or_else(|| panic!("the victim printed no cache id of {name}:\n{log}"))
 }
 
 const STEP: &str = r#"
@@ -269,6 +344,80 @@ else verdict user-namespace refused "$(head -c 150 /tmp/userns.err)"; fi
 
 # 13. The controller's HTTP port.
 if curl -s -m 3 "http://$GATEWAY:$HTTP_PORT/metrics" | grep -q gdr_; then verdict controller-http reach "$GATEWAY:$HTTP_PORT"; else verdict controller-http refused "nothing answers at $GATEWAY:$HTTP_PORT"; fi
+
+# 14.-17. The jobs' cache, through the URL and runtime token every step has (CACHE_CLIENT).
+# 14. A pull request's save: where it lands, the test reads on the controller's disk.
+if saved=$(save pr-save 4096); then verdict cache-save-scope saved "entry $saved, committed"
+else verdict cache-save-scope unshown "its own save failed: $saved"; fi
+
+# 15. Archives by id: main's (a pull request reads main: the route works), another ref's,
+#     and main's save never committed.
+fetch() { curl -s -o /dev/null -w '%{http_code}' -H "$bearer" "$cache/_apis/artifactcache/artifacts/$1"; }
+main=$(fetch "$MAIN_ARCHIVE"); other=$(fetch "$OTHER_REF_ARCHIVE"); open=$(fetch "$OPEN_UPLOAD")
+if [ "$main" != 200 ]; then verdict cache-other-ref unshown "main's archive $MAIN_ARCHIVE, which it reads, answered $main"
+elif [ "$other" = 200 ] || [ "$open" = 200 ]; then verdict cache-other-ref reach "refs/heads/ended's archive: $other; main's save never committed: $open"
+else verdict cache-other-ref refused "main's archive (it reads main) $main; refs/heads/ended's archive $other; main's save never committed $open"; fi
+
+# 16. Main's entry evicted by this job's saves (the repository past its limit) while the
+#     step restores it again and again: once gone it must stay gone, not come back as a hit
+#     without its archive.
+lookup() { # KEY → "status archive-url"
+  code=$(curl -s -o /tmp/lookup.json -w '%{http_code}' -H "$bearer" "$cache/_apis/artifactcache/cache?keys=$1&version=$version")
+  echo "$code $(grep -o '"archiveLocation":"[^"]*"' /tmp/lookup.json 2>/dev/null | cut -d'"' -f4)"
+}
+before=$(lookup victim-main)
+# The victims' saves count against the repository's uploads until the cache's sweep has
+# counted them (seconds after): refused until then, as a patient client, try again.
+for _ in $(seq 30); do
+  filler=$(save filler "$FILLER") && break
+  case "$filler" in *" 429"*) sleep 1 ;; *) break ;; esac
+done
+if [ "${before%% *}" != 200 ]; then verdict cache-evicted-entry unshown "main's entry was not restored before: $before"
+elif ! [ "$filler" -gt 0 ] 2>/dev/null; then verdict cache-evicted-entry unshown "its own save of $FILLER bytes failed: $filler"
+else
+  hits=0; misses=0; back=0; vanished=0
+  for _ in $(seq 240); do
+    answer=$(lookup victim-main)
+    if [ "${answer%% *}" = 200 ]; then
+      [ "$misses" -gt 0 ] && back=$((back + 1))
+      hits=$((hits + 1))
+      [ "$(curl -s -o /dev/null -w '%{http_code}' -H "$bearer" "${answer#* }")" = 200 ] || vanished=$((vanished + 1))
+    else misses=$((misses + 1)); fi
+    [ "$misses" -ge 20 ] && break
+    sleep 0.25
+  done
+  said="$hits restores hit ($vanished of them lost the archive between the lookup and the download), then $misses missed"
+  if [ "$misses" = 0 ]; then verdict cache-evicted-entry unshown "not evicted within a minute: $said"
+  elif [ "$back" -gt 0 ]; then verdict cache-evicted-entry reach "the key came back after its eviction $back times: $said"
+  else verdict cache-evicted-entry refused "evicted when its save of $FILLER bytes pushed the repository past its limit: $said; the key stayed gone"; fi
+fi
+# 17. A v2 entry past the largest entry: blocks of 1 MiB of its own until one is refused or
+#     they make more than the limit, then the block list and the commit.
+twirp="$cache/twirp/github.actions.results.api.v1.CacheService"
+created=$(curl -s -X POST -H "$bearer" -H 'Content-Type: application/json' -d "{\"key\":\"v2-oversized\",\"version\":\"$version\"}" "$twirp/CreateCacheEntry")
+target=$(printf '%s' "$created" | grep -o '"signed_upload_url":"[^"]*"' | cut -d'"' -f4)
+if [ -z "$target" ]; then verdict cache-v2-oversized unshown "CreateCacheEntry answered: $(printf '%s' "$created" | head -c 200)"
+else
+  case "$target" in *\?*) join='&' ;; *) join='?' ;; esac
+  count=$((CACHE_MAX_ENTRY / 1048576 + 1)); sent=0; block=201
+  printf '<?xml version="1.0" encoding="utf-8"?><BlockList>' > /tmp/blocks.xml
+  while [ "$sent" -lt "$count" ] && [ "$block" = 201 ]; do
+    name=$(printf 'blk%03d' "$sent" | base64)
+    head -c 1048576 /dev/urandom > /tmp/block
+    block=$(curl -s -o /tmp/block-answer -w '%{http_code}' -X PUT --data-binary @/tmp/block "${target}${join}comp=block&blockid=$name")
+    [ "$block" = 201 ] && sent=$((sent + 1)) && printf '<Latest>%s</Latest>' "$name" >> /tmp/blocks.xml
+  done
+  printf '</BlockList>' >> /tmp/blocks.xml
+  said="$sent blocks of 1 MiB taken (the limit $((CACHE_MAX_ENTRY / 1048576)) MiB)"
+  if [ "$block" != 201 ]; then said="$said, the next: $block $(head -c 200 /tmp/block-answer)"; fi
+  listed=$(curl -s -o /tmp/listed -w '%{http_code}' -X PUT --data-binary @/tmp/blocks.xml "${target}${join}comp=blocklist")
+  finalized=$(curl -s -X POST -H "$bearer" -H 'Content-Type: application/json' \
+    -d "{\"key\":\"v2-oversized\",\"version\":\"$version\",\"sizeBytes\":\"$((sent * 1048576))\"}" "$twirp/FinalizeCacheEntryUpload" | tr -d '\n')
+  said="$said; the list of them: $listed $(grep -o '<Message>[^<]*' /tmp/listed | head -c 160); the commit: $(printf '%s' "$finalized" | head -c 160)"
+  if [ "$sent" -lt 2 ]; then verdict cache-v2-oversized unshown "$said"
+  elif [ "$sent" -gt $((CACHE_MAX_ENTRY / 1048576)) ] && printf '%s' "$finalized" | grep -q '"ok":true'; then verdict cache-v2-oversized reach "$said"
+  else verdict cache-v2-oversized refused "$said"; fi
+fi
 true
 "#;
 
@@ -301,9 +450,19 @@ jobs:
           HTTP_PORT: "{http_port}"
           HOST_MARKER: "{marker}"
           HOST_MARKER_VALUE: "{marker_value}"
+          MAIN_ARCHIVE: "{main_archive}"
+          OPEN_UPLOAD: "{open_upload}"
+          OTHER_REF_ARCHIVE: "{other_ref_archive}"
+          CACHE_MAX_ENTRY: "{max_entry}"
+          FILLER: "{filler}"
         run: echo "$SCRIPT" | base64 -d > /tmp/attack.sh && bash /tmp/attack.sh
 "#,
-        script = base64::engine::general_purpose::STANDARD.encode(STEP),
+        script = base64::engine::general_purpose::STANDARD.encode(format!("{CACHE_CLIENT}{STEP}")),
+        main_archive = loot.main_archive,
+        open_upload = loot.open_upload,
+        other_ref_archive = loot.other_ref_archive,
+        max_entry = CACHE_MAX_REPOSITORY,
+        filler = FILLER,
         job_dockerd = loot.job_dockerd,
         claim_running = loot.claim_running,
         report_running = loot.report_running,
@@ -323,14 +482,19 @@ jobs:
     )
 }
 
+/// The ended victim: pushes to the branch `ended` only.
 fn ended_workflow(runs_on: &str) -> String {
-    format!("name: ended\non: push\njobs:\n  ended:\n    runs-on: {runs_on}\n    steps:\n      - run: echo done\n")
+    format!(
+        "name: ended\non:\n  push:\n    branches: [ended]\njobs:\n  ended:\n    runs-on: {runs_on}\n    steps:\n      - env:\n          SCRIPT: \"{saves}\"\n        run: echo \"$SCRIPT\" | base64 -d > /tmp/saves.sh && bash /tmp/saves.sh\n      - run: echo done\n",
+        saves = victim_saves("ended-ref", false),
+    )
 }
 
-/// The victim: pushes to main only (the attacker's branch holds this file too).
+/// The running victim: pushes to main only (the attacker's branch holds this file too).
 fn running_workflow(runs_on: &str) -> String {
     format!(
-        "name: running\non:\n  push:\n    branches: [main]\njobs:\n  running:\n    runs-on: {runs_on}\n    steps:\n      - run: echo victim running\n      - run: sleep 180\n"
+        "name: running\non:\n  push:\n    branches: [main]\njobs:\n  running:\n    runs-on: {runs_on}\n    steps:\n      - env:\n          SCRIPT: \"{saves}\"\n        run: echo \"$SCRIPT\" | base64 -d > /tmp/saves.sh && bash /tmp/saves.sh\n      - run: echo victim running\n      - run: sleep 900\n",
+        saves = victim_saves("victim-main", true),
     )
 }
 
@@ -430,18 +594,26 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
     }
     let http_port = testkit::free_local_port();
     options.http_listen = format!("127.0.0.1:{http_port}");
+    options.extra = format!("[cache]\nmax_repository_size = \"{}M\"\n", CACHE_MAX_REPOSITORY >> 20);
     let mut controller = Controller::start(options).await;
     let key = CapabilityKey::from_bytes(KEY).unwrap();
     let far = u64::MAX / 4;
 
-    // A victim that has ended, and one that runs (claimed) while the attacker runs.
-    let ended_repo = gitea.create_repo("ended").await;
-    gitea.commit_workflow(&ended_repo, "ended.yml", &ended_workflow(placement.runs_on())).await;
-    let ended = gitea.wait_for_tasks(&ended_repo, Duration::from_secs(180), done).await[0].id;
+    // A victim that has ended (of the branch `ended`), and one that runs (claimed) while
+    // the attacker runs (of `main`); each saved in the cache first.
     let running_repo = gitea.create_repo("running").await;
+    gitea.create_branch(&running_repo, "ended").await;
+    gitea.commit_file(&running_repo, "ended", ".gitea/workflows/ended.yml", ended_workflow(placement.runs_on()).as_bytes()).await;
+    let ended = gitea.wait_for_tasks(&running_repo, Duration::from_secs(180), done).await[0].clone();
+    let ended_log = strip_log_timestamps(&gitea.job_log(&running_repo, ended.run_number, 0).await);
+    assert_eq!(ended.status, "success", "{ended_log}");
+    let (ended, other_ref_archive) = (ended.id, cache_id(&ended_log, "ended-ref"));
     gitea.commit_workflow(&running_repo, "running.yml", &running_workflow(placement.runs_on())).await;
-    let running = gitea.wait_for_tasks(&running_repo, Duration::from_secs(180), |t| t.iter().any(|t| t.status == "running")).await[0].id;
-    gitea.wait_for_log(&running_repo, 1, 0, "victim running").await;
+    let victim_run = |tasks: &[TaskInfo]| tasks.iter().find(|t| t.workflow_id == "running.yml" && t.status == "running").cloned();
+    let victim_task = victim_run(&gitea.wait_for_tasks(&running_repo, Duration::from_secs(180), |t| victim_run(t).is_some()).await).unwrap();
+    let (running, victim_run_number) = (victim_task.id, victim_task.run_number);
+    gitea.wait_for_log(&running_repo, victim_run_number, 0, "victim running").await;
+    let victim_saves = strip_log_timestamps(&gitea.job_log(&running_repo, victim_run_number, 0).await);
     let running_id = format!("gitea-task-{running}");
     let record = controller.store.get(&running_id).await.unwrap().unwrap().value;
     assert!(matches!(record.state, State::Claimed { .. }), "{record:?}");
@@ -495,6 +667,9 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
         job_dockerd: job_docker != JobDocker::Off,
         marker,
         marker_value,
+        main_archive: cache_id(&victim_saves, "victim-main"),
+        open_upload: cache_id(&victim_saves, "never-committed"),
+        other_ref_archive,
     };
     // The attacker: a pull request of another ref of the victim's repository.
     gitea.create_branch(&running_repo, "fork").await;
@@ -505,7 +680,7 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
     let attacker_task = pull_request(&tasks).unwrap();
     let log = strip_log_timestamps(&gitea.job_log(&running_repo, attacker_task.run_number, 0).await);
     assert_eq!(attacker_task.status, "success", "{log}");
-    let verdicts: BTreeMap<String, (String, String)> = log
+    let mut verdicts: BTreeMap<String, (String, String)> = log
         .lines()
         .filter_map(|l| l.trim().strip_prefix("ATTACK "))
         .filter_map(|l| {
@@ -515,13 +690,23 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
         })
         .collect();
     assert_eq!(verdicts.keys().collect::<Vec<_>>().len(), ATTEMPTS.len(), "every attempt reports:\n{log}");
+    if let Some((verdict, detail)) = verdicts.get_mut("cache-save-scope")
+        && verdict == "saved"
+    {
+        let refs = entry_refs(&state.join("cache"), "pr-save");
+        (*verdict, *detail) = match refs.as_slice() {
+            [] => ("unshown".into(), format!("{detail}, but no entry of it on the controller's disk")),
+            [only] if only.starts_with("refs/pull/") => ("refused".into(), format!("{detail} in the pull request's own scope {only}; main has none")),
+            _ => ("reach".into(), format!("{detail} in {refs:?}")),
+        };
+    }
     // A refused report never reached the victim's log. (One let through may not show
     // either: Gitea drops rows below what it already has.)
-    let victim_log = strip_log_timestamps(&gitea.job_log(&running_repo, 1, 0).await);
+    let victim_log = strip_log_timestamps(&gitea.job_log(&running_repo, victim_run_number, 0).await);
     if verdicts.get("other-task-report").is_some_and(|(v, _)| v == "refused") {
         assert!(!victim_log.contains("injected by the attacker"), "{victim_log}");
     }
-    gitea.cancel_run(&running_repo, 1).await;
+    gitea.cancel_run(&running_repo, victim_run_number).await;
     controller.wait_until_all_terminal(Duration::from_secs(60)).await;
     if let Some(namespace) = namespace {
         let label = controller.environment_label();
@@ -573,6 +758,27 @@ impl Drop for ToolServer {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// The refs of the cache's committed entries of `key` in the directory `cache` (the
+/// cache's own layout: `entries/<repository>/<ref>/<version>/<key hash>`, each a JSON
+/// record naming its key and ref).
+fn entry_refs(cache: &std::path::Path, key: &str) -> Vec<String> {
+    fn walk(dir: &std::path::Path, key: &str, refs: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(&path, key, refs);
+            } else if let Ok(record) = serde_json::from_slice::<serde_json::Value>(&std::fs::read(&path).unwrap_or_default())
+                && record["key"] == key
+            {
+                refs.push(record["ref"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+    }
+    let mut refs = Vec::new();
+    walk(&cache.join("entries"), key, &mut refs);
+    refs
 }
 
 /// SPIRE for the node, and the entry of the controller (this test process on the host).
