@@ -52,6 +52,115 @@ pub mod runner_user {
     pub const SUBORDINATE_IDS: &str = "SUPERVISOR_SUBORDINATE_IDS";
 }
 
+/// Which Docker a job has of its own: one mode for both sides (the controller's
+/// `job_dockerd`/`rootless_dockerd` settings, the supervisor's [`supervisor::DOCKER`] and
+/// [`supervisor::DOCKER_ROOTLESS`]), so that no combination of two flags can mean
+/// something neither side meant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobDocker {
+    /// No dockerd: the job uses none (the safe default of the docker and kubernetes
+    /// placements).
+    None,
+    /// A rootless dockerd as the runner uid, in user namespaces of its own.
+    Rootless,
+    /// A dockerd as root on loop-backed storage: a step is root where the environment is
+    /// (the runner image's default, for VMs).
+    Root,
+}
+
+impl JobDocker {
+    /// From the supervisor's two flags: rootless means nothing without a dockerd.
+    pub const fn from_flags(docker: bool, rootless: bool) -> JobDocker {
+        match (docker, rootless) {
+            (false, _) => JobDocker::None,
+            (true, true) => JobDocker::Rootless,
+            (true, false) => JobDocker::Root,
+        }
+    }
+
+    /// Whether the environment starts a dockerd (and the job waits for it).
+    pub const fn runs_dockerd(self) -> bool {
+        !matches!(self, JobDocker::None)
+    }
+
+    pub const fn is_rootless(self) -> bool {
+        matches!(self, JobDocker::Rootless)
+    }
+
+    /// The supervisor's variables a driver sets for this mode (root is the image's
+    /// default: none). A rootless dockerd's socket depends on the runner uid: the driver
+    /// adds [`supervisor::DOCKER_SOCKET`].
+    pub const fn supervisor_vars(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            JobDocker::None => &[(supervisor::DOCKER, "false")],
+            JobDocker::Rootless => &[(supervisor::DOCKER_ROOTLESS, "true")],
+            JobDocker::Root => &[],
+        }
+    }
+}
+
+/// The supervisor's own settings a driver or an operator sets (each a flag of `supervisor`,
+/// read from this variable): every `SUPERVISOR_*` name, here so that the drivers, the
+/// supervisor and the docs share one spelling.
+pub mod supervisor {
+    /// `true` (the image's default) or `false`: whether the job has a dockerd.
+    pub const DOCKER: &str = "SUPERVISOR_DOCKER";
+    /// `true`: that dockerd is rootless ([`super::JobDocker::Rootless`]).
+    pub const DOCKER_ROOTLESS: &str = "SUPERVISOR_DOCKER_ROOTLESS";
+    /// The job's dockerd socket in the environment.
+    pub const DOCKER_SOCKET: &str = "SUPERVISOR_DOCKER_SOCKET";
+    /// Comma-separated registry mirrors of the job's dockerd.
+    pub const REGISTRY_MIRRORS: &str = "SUPERVISOR_REGISTRY_MIRRORS";
+    /// The size of the job's loop-backed storage, e.g. `10G`.
+    pub const STORAGE_SIZE: &str = "SUPERVISOR_STORAGE_SIZE";
+    /// The supervisor's log filter (`tracing`'s `EnvFilter`), e.g. `debug`.
+    pub const LOG: &str = "SUPERVISOR_LOG";
+    /// `true` or `false`: whether the agent waits for the job's SVID (default: whether a SPIFFE ID is given).
+    pub const IDENTITY: &str = "SUPERVISOR_IDENTITY";
+    /// The job's dockerd's data root.
+    pub const DOCKER_DATA_ROOT: &str = "SUPERVISOR_DOCKER_DATA_ROOT";
+    /// Where the job's dockerd logs.
+    pub const DOCKERD_LOG: &str = "SUPERVISOR_DOCKERD_LOG";
+    /// The cgroup filesystem PID 1 nests the job's dockerd in.
+    pub const CGROUP_ROOT: &str = "SUPERVISOR_CGROUP_ROOT";
+    /// gitea-runner's working directory.
+    pub const RUNNER_DIR: &str = "SUPERVISOR_RUNNER_DIR";
+    /// The image's docker group (owns the job's dockerd socket).
+    pub const DOCKER_GID: &str = "SUPERVISOR_DOCKER_GID";
+    /// The runner user's home.
+    pub const RUNNER_HOME: &str = "SUPERVISOR_RUNNER_HOME";
+    /// The dockerd binary.
+    pub const DOCKERD: &str = "SUPERVISOR_DOCKERD";
+    /// The rootless dockerd's launcher (`dockerd-rootless.sh`).
+    pub const ROOTLESS_DOCKERD: &str = "SUPERVISOR_ROOTLESS_DOCKERD";
+    /// The job's dockerd's exec root.
+    pub const DOCKER_EXEC_ROOT: &str = "SUPERVISOR_DOCKER_EXEC_ROOT";
+    /// The job's dockerd's pid file.
+    pub const DOCKER_PIDFILE: &str = "SUPERVISOR_DOCKER_PIDFILE";
+    /// How the job's dockerd makes its bridge.
+    pub const DOCKER_BRIDGE: &str = "SUPERVISOR_DOCKER_BRIDGE";
+    /// How long a job waits for its dockerd.
+    pub const DOCKER_READY_TIMEOUT: &str = "SUPERVISOR_DOCKER_READY_TIMEOUT";
+    /// The sparse file behind the job's loop-backed storage.
+    pub const STORAGE_IMAGE: &str = "SUPERVISOR_STORAGE_IMAGE";
+    /// The mkfs that formats that storage.
+    pub const MKFS: &str = "SUPERVISOR_MKFS";
+    /// How long PID 1 waits for the job's SVID.
+    pub const IDENTITY_TIMEOUT: &str = "SUPERVISOR_IDENTITY_TIMEOUT";
+    /// Whether gitea-runner gets the job-started hook.
+    pub const RUNNER_HOOKS: &str = "SUPERVISOR_RUNNER_HOOKS";
+    /// How long a stopped environment drains.
+    pub const DRAIN_TIMEOUT: &str = "SUPERVISOR_DRAIN_TIMEOUT";
+    /// PID 1's state directory.
+    pub const STATE_DIR: &str = "SUPERVISOR_STATE_DIR";
+    /// The agent's socket (the job-started hook asks it).
+    pub const AGENT_SOCKET: &str = "SUPERVISOR_AGENT_SOCKET";
+    /// How long the job-started hook waits for the environment.
+    pub const JOB_STARTED_TIMEOUT: &str = "SUPERVISOR_JOB_STARTED_TIMEOUT";
+    /// PID 1's configuration of the agent (set by PID 1 for the agent only).
+    pub const AGENT_CONFIG: &str = "SUPERVISOR_AGENT_CONFIG";
+}
+
 /// Every variable of the contract, in the order they are documented.
 pub const ALL: [&str; 9] =
     [ASSIGNMENT_ID, CAPABILITY, CAPABILITY_FILE, FACADE_URL, FACADE_SPIFFE_ID, SPIFFE_ID, SPIFFE_ENDPOINT_SOCKET, RUNNER_LABELS_JSON, GITEA_URL];
@@ -138,6 +247,27 @@ impl Contract {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a driver sets for a mode is what the supervisor's flags read back, with the
+    /// image's defaults (`SUPERVISOR_DOCKER=true`, `SUPERVISOR_DOCKER_ROOTLESS=false`) for
+    /// what is unset.
+    #[test]
+    fn each_job_docker_mode_survives_the_trip_through_the_variables() {
+        for mode in [JobDocker::None, JobDocker::Rootless, JobDocker::Root] {
+            let vars: BTreeMap<&str, &str> = mode.supervisor_vars().iter().copied().collect();
+            let flag = |name: &str, default: bool| vars.get(name).map_or(default, |value| *value == "true");
+            assert_eq!(JobDocker::from_flags(flag(supervisor::DOCKER, true), flag(supervisor::DOCKER_ROOTLESS, false)), mode);
+        }
+        for (docker, rootless, mode, dockerd) in [
+            (false, false, JobDocker::None, false),
+            (false, true, JobDocker::None, false),
+            (true, false, JobDocker::Root, true),
+            (true, true, JobDocker::Rootless, true),
+        ] {
+            assert_eq!(JobDocker::from_flags(docker, rootless), mode, "{docker} {rootless}");
+            assert_eq!(mode.runs_dockerd(), dockerd);
+        }
+    }
 
     #[test]
     fn empty_and_missing_are_the_same() {

@@ -60,7 +60,7 @@ pub enum Command {
 pub struct Environment {
     /// Wait for the job's X.509 SVID before claiming. Default: on exactly when the job's
     /// SPIFFE ID is given (CI_SPIFFE_ID).
-    #[arg(long, env = "SUPERVISOR_IDENTITY", action = clap::ArgAction::Set)]
+    #[arg(long, env = env::supervisor::IDENTITY, action = clap::ArgAction::Set)]
     pub identity: Option<bool>,
     /// The exact SPIFFE ID the job's SVID must carry [contract: CI_SPIFFE_ID].
     #[arg(long, value_parser = parse_spiffe_id)]
@@ -69,23 +69,23 @@ pub struct Environment {
     #[arg(long, value_parser = parse_workload_endpoint)]
     pub spiffe_endpoint: Option<String>,
     /// Start a job-local dockerd (and its storage). Off for environments without Docker.
-    #[arg(long, env = "SUPERVISOR_DOCKER", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = env::supervisor::DOCKER, default_value_t = true, action = clap::ArgAction::Set)]
     pub docker: bool,
     /// The job's dockerd runs rootless, as the runner uid in its own user namespace
     /// (rootlesskit): no loop storage, no cgroup changes, its socket in
     /// --docker-socket's directory, which must not be /var/run.
-    #[arg(long, env = "SUPERVISOR_DOCKER_ROOTLESS", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, env = env::supervisor::DOCKER_ROOTLESS, default_value_t = false, action = clap::ArgAction::Set)]
     pub docker_rootless: bool,
     /// dockerd's data root; backed by a loop-mounted ext4 image unless already a mountpoint.
-    #[arg(long, env = "SUPERVISOR_DOCKER_DATA_ROOT", default_value = "/var/lib/docker", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::DOCKER_DATA_ROOT, default_value = "/var/lib/docker", value_parser = parse_absolute)]
     pub docker_data_root: PathBuf,
-    #[arg(long, env = "SUPERVISOR_DOCKER_SOCKET", default_value = "/var/run/docker.sock", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::DOCKER_SOCKET, default_value = "/var/run/docker.sock", value_parser = parse_absolute)]
     pub docker_socket: PathBuf,
     /// File that receives dockerd's output.
-    #[arg(long, env = "SUPERVISOR_DOCKERD_LOG", default_value = "/var/log/supervisor/dockerd.log", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::DOCKERD_LOG, default_value = "/var/log/supervisor/dockerd.log", value_parser = parse_absolute)]
     pub dockerd_log: PathBuf,
     /// Root of the cgroup hierarchy as seen by this environment.
-    #[arg(long, env = "SUPERVISOR_CGROUP_ROOT", default_value = "/sys/fs/cgroup", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::CGROUP_ROOT, default_value = "/sys/fs/cgroup", value_parser = parse_absolute)]
     pub cgroup_root: PathBuf,
     /// The controller's facade, unix:///path, https://host:port (SPIFFE mTLS) or
     /// http://private-ip:port (development mode, capability only); when set, the agent
@@ -97,7 +97,7 @@ pub struct Environment {
     #[arg(long)]
     pub assignment_id: Option<String>,
     /// gitea-runner's working directory (its .runner file is written there).
-    #[arg(long, env = "SUPERVISOR_RUNNER_DIR", default_value = "/home/runner", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::RUNNER_DIR, default_value = "/home/runner", value_parser = parse_absolute)]
     pub runner_dir: PathBuf,
 }
 
@@ -117,10 +117,10 @@ pub struct RunnerUserArgs {
     #[arg(long, env = env::runner_user::SUBORDINATE_IDS, value_parser = parse_id_range)]
     pub subordinate_ids: Option<IdRange>,
     /// Gid of the docker group: owns dockerd's socket and is the runner's supplementary group.
-    #[arg(long, env = "SUPERVISOR_DOCKER_GID", default_value_t = env::runner_user::IMAGE_DOCKER_GID, value_parser = parse_unprivileged_id)]
+    #[arg(long, env = env::supervisor::DOCKER_GID, default_value_t = env::runner_user::IMAGE_DOCKER_GID, value_parser = parse_unprivileged_id)]
     pub docker_gid: u32,
     /// HOME of the runner user.
-    #[arg(long, env = "SUPERVISOR_RUNNER_HOME", default_value = "/home/runner", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::RUNNER_HOME, default_value = "/home/runner", value_parser = parse_absolute)]
     pub runner_home: PathBuf,
 }
 
@@ -131,36 +131,36 @@ pub struct RunArgs {
     #[command(flatten)]
     pub user: RunnerUserArgs,
 
-    #[arg(long, env = "SUPERVISOR_DOCKERD", default_value = "dockerd")]
+    #[arg(long, env = env::supervisor::DOCKERD, default_value = "dockerd")]
     pub dockerd: PathBuf,
     /// What starts a rootless dockerd: Docker's own `dockerd-rootless.sh` (rootlesskit and
     /// slirp4netns around dockerd), looked up in PATH.
-    #[arg(long, env = "SUPERVISOR_ROOTLESS_DOCKERD", default_value = "dockerd-rootless.sh")]
+    #[arg(long, env = env::supervisor::ROOTLESS_DOCKERD, default_value = "dockerd-rootless.sh")]
     pub rootless_dockerd: PathBuf,
     /// Registry mirrors for the job's dockerd (comma-separated URLs): every environment
     /// starts with no image, so pulls of Docker Hub images go to the operator's mirror first.
-    #[arg(long = "registry-mirror", env = "SUPERVISOR_REGISTRY_MIRRORS", value_delimiter = ',', value_parser = parse_registry_mirror)]
+    #[arg(long = "registry-mirror", env = env::supervisor::REGISTRY_MIRRORS, value_delimiter = ',', value_parser = parse_registry_mirror)]
     pub registry_mirrors: Vec<String>,
-    #[arg(long, env = "SUPERVISOR_DOCKER_EXEC_ROOT", default_value = "/var/run/docker", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::DOCKER_EXEC_ROOT, default_value = "/var/run/docker", value_parser = parse_absolute)]
     pub docker_exec_root: PathBuf,
-    #[arg(long, env = "SUPERVISOR_DOCKER_PIDFILE", default_value = "/var/run/docker.pid", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::DOCKER_PIDFILE, default_value = "/var/run/docker.pid", value_parser = parse_absolute)]
     pub docker_pidfile: PathBuf,
-    #[arg(long, env = "SUPERVISOR_DOCKER_BRIDGE", value_enum, default_value_t = Bridge::Default)]
+    #[arg(long, env = env::supervisor::DOCKER_BRIDGE, value_enum, default_value_t = Bridge::Default)]
     pub docker_bridge: Bridge,
     /// How long dockerd may take to answer GET /_ping.
-    #[arg(long, env = "SUPERVISOR_DOCKER_READY_TIMEOUT", default_value = "120s", value_parser = parse_positive_duration)]
+    #[arg(long, env = env::supervisor::DOCKER_READY_TIMEOUT, default_value = "120s", value_parser = parse_positive_duration)]
     pub docker_ready_timeout: Duration,
 
     /// Sparse image backing /var/lib/docker (not inside the data root).
-    #[arg(long, env = "SUPERVISOR_STORAGE_IMAGE", default_value = "/var/lib/supervisor/docker.img", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::STORAGE_IMAGE, default_value = "/var/lib/supervisor/docker.img", value_parser = parse_absolute)]
     pub storage_image: PathBuf,
     /// Size of the sparse image (e.g. 20G); only written blocks use disk.
-    #[arg(long, env = "SUPERVISOR_STORAGE_SIZE", default_value = "20G", value_parser = parse_storage_size)]
+    #[arg(long, env = env::supervisor::STORAGE_SIZE, default_value = "20G", value_parser = parse_storage_size)]
     pub storage_size: u64,
-    #[arg(long, env = "SUPERVISOR_MKFS", default_value = "mkfs.ext4")]
+    #[arg(long, env = env::supervisor::MKFS, default_value = "mkfs.ext4")]
     pub mkfs: PathBuf,
 
-    #[arg(long, env = "SUPERVISOR_IDENTITY_TIMEOUT", default_value = "180s", value_parser = parse_positive_duration)]
+    #[arg(long, env = env::supervisor::IDENTITY_TIMEOUT, default_value = "180s", value_parser = parse_positive_duration)]
     pub identity_timeout: Duration,
 
     /// The facade's SPIFFE ID, required for https facade URLs [contract: CI_RUNNER_FACADE_SPIFFE_ID].
@@ -177,16 +177,16 @@ pub struct RunArgs {
     /// Whether the runner runs `supervisor job-started` before the first step (its
     /// job-started hook). Without it the loopback holds the task back until dockerd's
     /// socket takes connections. auto: gitea-runner v3 and later have hooks (the image configures this one).
-    #[arg(long, env = "SUPERVISOR_RUNNER_HOOKS", value_enum, default_value_t = RunnerHooks::Auto)]
+    #[arg(long, env = env::supervisor::RUNNER_HOOKS, value_enum, default_value_t = RunnerHooks::Auto)]
     pub runner_hooks: RunnerHooks,
 
     /// Time from SIGTERM to exit: runner, dockerd, unmount, loop detach, then SIGKILL.
     /// The default stays inside Kubernetes' 30 s termination grace period.
-    #[arg(long, env = "SUPERVISOR_DRAIN_TIMEOUT", default_value = "25s", value_parser = parse_drain)]
+    #[arg(long, env = env::supervisor::DRAIN_TIMEOUT, default_value = "25s", value_parser = parse_drain)]
     pub drain_timeout: Duration,
 
     /// Directory for the supervisor's runtime state (agent socket, storage state).
-    #[arg(long, env = "SUPERVISOR_STATE_DIR", default_value = "/run/supervisor", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::STATE_DIR, default_value = "/run/supervisor", value_parser = parse_absolute)]
     pub state_dir: PathBuf,
 
     /// The job command, run as the runner uid once the identity is ready and dockerd's socket takes connections.
@@ -197,10 +197,10 @@ pub struct RunArgs {
 #[derive(Debug, Clone, Args)]
 pub struct JobStartedArgs {
     /// The agent's readiness socket.
-    #[arg(long, env = "SUPERVISOR_AGENT_SOCKET", default_value = "/run/supervisor/agent/agent.sock", value_parser = parse_absolute)]
+    #[arg(long, env = env::supervisor::AGENT_SOCKET, default_value = "/run/supervisor/agent/agent.sock", value_parser = parse_absolute)]
     pub socket: PathBuf,
     /// How long to wait for identity and dockerd before failing the job.
-    #[arg(long, env = "SUPERVISOR_JOB_STARTED_TIMEOUT", default_value = "300s", value_parser = parse_positive_duration)]
+    #[arg(long, env = env::supervisor::JOB_STARTED_TIMEOUT, default_value = "300s", value_parser = parse_positive_duration)]
     pub timeout: Duration,
 }
 
@@ -253,8 +253,7 @@ impl DoctorArgs {
             identity: e.identity_on(),
             spiffe_endpoint: e.spiffe_endpoint.clone(),
             spiffe_id: e.spiffe_id.clone(),
-            docker: e.docker,
-            docker_rootless: e.docker && e.docker_rootless,
+            job_docker: e.job_docker(),
             docker_data_root: e.docker_data_root.clone(),
             docker_socket: e.docker_socket.clone(),
             dockerd_log: e.dockerd_log.clone(),
@@ -276,6 +275,11 @@ impl Environment {
     /// Whether the agent waits for the job's SVID.
     pub fn identity_on(&self) -> bool {
         self.identity.unwrap_or(self.spiffe_id.is_some())
+    }
+
+    /// Which dockerd the job gets, from the two flags.
+    pub const fn job_docker(&self) -> env::JobDocker {
+        env::JobDocker::from_flags(self.docker, self.docker_rootless)
     }
 
     /// Fills the contract settings not given as flags (see [`apply_contract`]).
@@ -318,8 +322,7 @@ impl RunArgs {
             spiffe_id: e.spiffe_id.clone(),
             spiffe_endpoint: e.spiffe_endpoint.clone(),
             identity_timeout: self.identity_timeout,
-            docker: e.docker,
-            docker_rootless: e.docker && e.docker_rootless,
+            job_docker: e.job_docker(),
             rootless_dockerd: self.rootless_dockerd.clone(),
             registry_mirrors: self.registry_mirrors.clone(),
             docker_data_root: e.docker_data_root.clone(),
@@ -394,7 +397,7 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
     if args.user.user().gid == args.user.docker_gid {
         return Err(format!("--docker-gid (SUPERVISOR_DOCKER_GID) must differ from --runner-gid: both are {}", args.user.docker_gid));
     }
-    if args.environment.docker {
+    if args.environment.job_docker().runs_dockerd() {
         if args.storage_image.starts_with(&args.environment.docker_data_root) {
             return Err(format!(
                 "--storage-image (SUPERVISOR_STORAGE_IMAGE) {} must not be inside --docker-data-root {}",
@@ -402,7 +405,7 @@ pub fn validate(args: &RunArgs) -> Result<(), String> {
                 args.environment.docker_data_root.display()
             ));
         }
-        if args.environment.docker_rootless
+        if args.environment.job_docker().is_rootless()
             && args.environment.docker_socket.parent().is_none_or(|dir| dir == Path::new("/var/run") || dir == Path::new("/run"))
         {
             return Err(format!(

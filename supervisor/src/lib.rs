@@ -25,7 +25,7 @@ pub use contract::error_chain;
 /// each line prefixed so it stands out in a job's log.
 pub fn init_logging(component: &'static str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("SUPERVISOR_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env(contract::environment::supervisor::LOG).unwrap_or_else(|_| EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Environment variable that carries [`AgentConfig`] from PID 1.
-pub const CONFIG_ENV: &str = "SUPERVISOR_AGENT_CONFIG";
+pub const CONFIG_ENV: &str = contract::environment::supervisor::AGENT_CONFIG;
 /// The capability comes from the environment the driver set (or from the file PID 1
 /// read and removed), and is not passed on to the job.
 pub const CAPABILITY_ENV: &str = contract::environment::CAPABILITY;

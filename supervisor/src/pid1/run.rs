@@ -24,6 +24,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use contract::environment::JobDocker;
 use nix::{sys::signal::Signal, unistd::Pid};
 
 use super::{
@@ -105,7 +106,7 @@ impl Supervisor {
             }
         }
         // A rootless dockerd gets no cgroup of its own to manage.
-        if self.settings.docker && !self.settings.docker_rootless {
+        if self.settings.job_docker == JobDocker::Root {
             self.nest_cgroups();
         }
         let agent_dir = self.settings.state_dir.join("agent");
@@ -116,10 +117,10 @@ impl Supervisor {
         // dockerd's socket before anything of the job runs: a `docker` call then waits
         // for dockerd instead of failing, so no step waits for it (pid1::dockerd). A
         // rootless dockerd's directories before the agent, which serves its socket there.
-        let prep = match (self.settings.docker, self.settings.docker_rootless) {
-            (false, _) => None,
-            (true, true) => Some(DockerPrep::Rootless(self.prepare_rootless_dirs())),
-            (true, false) => {
+        let prep = match self.settings.job_docker {
+            JobDocker::None => None,
+            JobDocker::Rootless => Some(DockerPrep::Rootless(self.prepare_rootless_dirs())),
+            JobDocker::Root => {
                 let path = &self.settings.docker_socket;
                 let bound = dockerd::bind_socket(path, self.settings.user.docker_gid).map_err(|error| format!("cannot bind {}: {error}", path.display()));
                 Some(DockerPrep::Root(bound))
@@ -203,9 +204,9 @@ impl Supervisor {
                 endpoint: settings.spiffe_endpoint.clone().unwrap_or_default(),
                 timeout_ms: u64::try_from(settings.identity_timeout.as_millis()).unwrap_or(u64::MAX),
             }),
-            docker: settings.docker,
-            docker_host: settings.docker.then(|| format!("unix://{}", settings.docker_socket.display())),
-            docker_proxy: settings.docker_rootless.then(|| DockerProxy {
+            docker: settings.job_docker.runs_dockerd(),
+            docker_host: settings.job_docker.runs_dockerd().then(|| format!("unix://{}", settings.docker_socket.display())),
+            docker_proxy: settings.job_docker.is_rootless().then(|| DockerProxy {
                 listen: settings.docker_socket.clone(),
                 upstream: rootless_socket(settings),
                 patience_ms: u64::try_from(settings.docker_ready_timeout.as_millis()).unwrap_or(u64::MAX),
@@ -259,7 +260,7 @@ impl Supervisor {
         };
         spawn::prepare(&mut command, Some(settings.user.credentials()));
         spawn::no_new_privileges(&mut command);
-        let (read, write) = if settings.docker {
+        let (read, write) = if settings.job_docker.runs_dockerd() {
             let (read, write) = spawn::handover_pipe().map_err(|error| {
                 tracing::error!(%error, "cannot create the dockerd report pipe");
                 exit::INTERNAL

@@ -4,6 +4,8 @@
 
 use std::{path::PathBuf, time::Duration};
 
+use contract::environment::JobDocker;
+
 use super::{dockerd::Bridge, spawn::Credentials};
 use crate::agent::config::RunnerHooks;
 
@@ -50,11 +52,9 @@ pub struct Settings {
     pub spiffe_endpoint: Option<String>,
     pub identity_timeout: Duration,
 
-    /// Whether to start a job-local dockerd (and its storage).
-    pub docker: bool,
-    /// Whether that dockerd runs rootless (as the runner uid, through `rootless_dockerd`)
-    /// rather than as root on loop-backed storage.
-    pub docker_rootless: bool,
+    /// Which dockerd the job gets: none, rootless (as the runner uid, through
+    /// `rootless_dockerd`), or root on loop-backed storage.
+    pub job_docker: JobDocker,
     pub rootless_dockerd: PathBuf,
     pub registry_mirrors: Vec<String>,
     pub docker_data_root: PathBuf,

@@ -38,6 +38,7 @@ use bollard::{
     models::{ContainerCreateBody, HostConfig},
     query_parameters::{CreateContainerOptions, InspectContainerOptions, ListContainersOptions, RemoveContainerOptions, StopContainerOptions},
 };
+use contract::environment::{JobDocker, supervisor};
 use serde::Deserialize;
 
 use self::ids::{RunnerIds, SUBORDINATE_COUNT, Slot};
@@ -203,6 +204,15 @@ impl DockerConfig {
         }
     }
 
+    /// Which Docker its jobs have (the settings refuse both dockerds at once).
+    pub const fn job_docker(&self) -> JobDocker {
+        match (self.job_dockerd, self.rootless_dockerd) {
+            (true, _) => JobDocker::Root,
+            (false, true) => JobDocker::Rootless,
+            (false, false) => JobDocker::None,
+        }
+    }
+
     /// The limits as Docker takes them: (memory bytes, nano-CPUs).
     ///
     /// # Errors
@@ -293,7 +303,7 @@ impl DockerDriver {
     pub async fn connect(config: DockerConfig) -> Result<Self, DriverError> {
         let unavailable = |detail: String| DriverError::Unavailable { placement: Placement::CONTAINER_DOCKER.to_string(), detail };
         Problems::check(|problems| config.validate(problems)).map_err(|problems| unavailable(problems.to_string()))?;
-        let rootless_seccomp = if config.rootless_dockerd {
+        let rootless_seccomp = if config.job_docker().is_rootless() {
             Some(super::seccomp::read_rootless_profile(&config.seccomp_profile).map_err(|e| unavailable(format!("docker.seccomp_profile: {e}")))?)
         } else {
             None
@@ -355,37 +365,41 @@ impl DockerDriver {
             ]);
             labels.insert(LABEL_RUNNER_UID.to_owned(), slot.uid.to_string());
         }
+        let mode = config.job_docker();
+        env.extend(mode.supervisor_vars().iter().map(|(name, value)| format!("{name}={value}")));
         if !config.registry_mirrors.is_empty() {
-            env.push(format!("SUPERVISOR_REGISTRY_MIRRORS={}", config.registry_mirrors.join(",")));
+            env.push(format!("{}={}", supervisor::REGISTRY_MIRRORS, config.registry_mirrors.join(",")));
         }
         // Docker's default set less what neither the supervisor nor a job needs.
         let unneeded = || UNNEEDED_CAPABILITIES.iter().map(|c| (*c).to_owned()).chain(config.cap_drop.iter().cloned()).collect::<Vec<_>>();
         let mut devices = None;
         let mut volumes = None;
         let mut unmasked = None;
-        let (cap_drop, security_opt) = if config.job_dockerd {
-            env.push(format!("SUPERVISOR_STORAGE_SIZE={}", config.storage_size));
-            (config.cap_drop.clone(), config.security_opt.clone())
-        } else if let Some(profile) = &self.rootless_seccomp {
-            let socket = rootless_socket(slot.map_or(contract::environment::runner_user::IMAGE_ID, |slot| slot.uid));
-            env.extend(["SUPERVISOR_DOCKER_ROOTLESS=true".to_owned(), format!("SUPERVISOR_DOCKER_SOCKET={socket}")]);
-            devices = Some(vec![bollard::models::DeviceMapping {
-                path_on_host: Some("/dev/net/tun".into()),
-                path_in_container: Some("/dev/net/tun".into()),
-                cgroup_permissions: Some("rwm".into()),
-            }]);
-            volumes = Some(vec![ROOTLESS_DATA_ROOT.to_owned()]);
-            // The CLI's `systempaths=unconfined`: an empty list of masked and read-only
-            // paths under /proc and /sys (the API has no such option).
-            unmasked = Some(Vec::new());
-            // Without no-new-privileges: newuidmap's file capability must work; the
-            // image has no setuid file that could raise a step to root instead.
-            let confinement = [format!("seccomp={profile}"), "apparmor=unconfined".to_owned()];
-            (unneeded(), confinement.into_iter().chain(config.security_opt.iter().cloned()).collect())
-        } else {
-            env.push("SUPERVISOR_DOCKER=false".to_owned());
+        let (cap_drop, security_opt) = match (mode, &self.rootless_seccomp) {
+            (JobDocker::Root, _) => {
+                env.push(format!("{}={}", supervisor::STORAGE_SIZE, config.storage_size));
+                (config.cap_drop.clone(), config.security_opt.clone())
+            }
+            // The profile is read at connect whenever the mode is rootless.
+            (JobDocker::Rootless, Some(profile)) => {
+                let socket = rootless_socket(slot.map_or(contract::environment::runner_user::IMAGE_ID, |slot| slot.uid));
+                env.push(format!("{}={socket}", supervisor::DOCKER_SOCKET));
+                devices = Some(vec![bollard::models::DeviceMapping {
+                    path_on_host: Some("/dev/net/tun".into()),
+                    path_in_container: Some("/dev/net/tun".into()),
+                    cgroup_permissions: Some("rwm".into()),
+                }]);
+                volumes = Some(vec![ROOTLESS_DATA_ROOT.to_owned()]);
+                // The CLI's `systempaths=unconfined`: an empty list of masked and read-only
+                // paths under /proc and /sys (the API has no such option).
+                unmasked = Some(Vec::new());
+                // Without no-new-privileges: newuidmap's file capability must work; the
+                // image has no setuid file that could raise a step to root instead.
+                let confinement = [format!("seccomp={profile}"), "apparmor=unconfined".to_owned()];
+                (unneeded(), confinement.into_iter().chain(config.security_opt.iter().cloned()).collect())
+            }
             // No setuid binary may raise a step's privileges.
-            (unneeded(), std::iter::once("no-new-privileges".to_owned()).chain(config.security_opt.iter().cloned()).collect())
+            _ => (unneeded(), std::iter::once("no-new-privileges".to_owned()).chain(config.security_opt.iter().cloned()).collect()),
         };
         let host_config = HostConfig {
             memory: Some(memory),

@@ -151,6 +151,12 @@ fn default_workload_mount() -> String {
 }
 
 impl KubernetesConfig {
+    /// Which Docker its jobs have: a root dockerd with `job_dockerd`, none otherwise (no
+    /// rootless mode on Pods yet).
+    pub const fn job_docker(&self) -> contract::environment::JobDocker {
+        if self.job_dockerd { contract::environment::JobDocker::Root } else { contract::environment::JobDocker::None }
+    }
+
     /// What a job step can reach in these Pods, said once at start (docs/security.md).
     pub fn trust_notice(&self) -> Option<String> {
         self.job_dockerd.then(|| {

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use contract::environment::supervisor;
 use k8s_openapi::{
     api::core::v1::{
         CSIVolumeSource, Capabilities, Container, EmptyDirVolumeSource, EnvVar, HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SecurityContext,
@@ -77,10 +78,11 @@ impl KubernetesDriver {
     fn env(&self, spec: &EnvironmentSpec) -> Vec<EnvVar> {
         let variable = |(name, value): (&String, &String)| EnvVar { name: name.clone(), value: Some(value.clone()), ..Default::default() };
         let mut env: Vec<EnvVar> = self.config.env.iter().map(variable).collect();
-        if !self.config.job_dockerd {
-            env.push(EnvVar { name: "SUPERVISOR_DOCKER".into(), value: Some("false".into()), ..Default::default() });
-        } else if !self.config.registry_mirrors.is_empty() {
-            env.push(EnvVar { name: "SUPERVISOR_REGISTRY_MIRRORS".into(), value: Some(self.config.registry_mirrors.join(",")), ..Default::default() });
+        let mode = self.config.job_docker();
+        let named = |name: &str, value: String| EnvVar { name: name.to_owned(), value: Some(value), ..Default::default() };
+        env.extend(mode.supervisor_vars().iter().map(|(name, value)| named(name, (*value).to_owned())));
+        if mode.runs_dockerd() && !self.config.registry_mirrors.is_empty() {
+            env.push(named(supervisor::REGISTRY_MIRRORS, self.config.registry_mirrors.join(",")));
         }
         env.extend(spec.env.iter().map(variable));
         env
@@ -91,7 +93,7 @@ impl KubernetesDriver {
     /// unconfined (trusted code only).
     fn security_context(&self) -> SecurityContext {
         let config = &self.config;
-        if !config.job_dockerd {
+        if !config.job_docker().runs_dockerd() {
             SecurityContext {
                 privileged: Some(false),
                 allow_privilege_escalation: Some(false),
@@ -188,7 +190,7 @@ mod tests {
         config.node_selector = BTreeMap::from([("pool".to_owned(), "ci".to_owned())]);
         config.workload_api =
             Some(WorkloadApiVolume { host_path: Some("/run/spire/agent-sockets".into()), csi_driver: None, mount_path: "/run/spire/sockets".into() });
-        config.env = BTreeMap::from([("SUPERVISOR_LOG".to_owned(), "debug".to_owned())]);
+        config.env = BTreeMap::from([(supervisor::LOG.to_owned(), "debug".to_owned())]);
         let spec = EnvironmentSpec {
             assignment_id: "gitea-task-9".into(),
             name: "gdr-x-gitea-task-9".into(),

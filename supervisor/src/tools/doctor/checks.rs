@@ -14,7 +14,7 @@ pub fn all(settings: &Settings) -> Vec<Outcome> {
         identity_socket,
         svid(settings, socket_ok),
         cgroups(&settings.cgroup_root),
-        if settings.docker_rootless { rootless(settings) } else { loop_devices(&settings.loop_control) },
+        if settings.job_docker.is_rootless() { rootless(settings) } else { loop_devices(&settings.loop_control) },
         storage(settings),
         dockerd(settings),
         facade(settings),
@@ -221,10 +221,10 @@ fn loop_devices(loop_control: &Path) -> Outcome {
 
 fn storage(settings: &Settings) -> Outcome {
     const ID: &str = "storage";
-    if !settings.docker {
+    if !settings.job_docker.runs_dockerd() {
         return Outcome::skip(ID, "Docker is off (SUPERVISOR_DOCKER=false)");
     }
-    if settings.docker_rootless {
+    if settings.job_docker.is_rootless() {
         return match pid1::dockerd::storage_driver_for(&settings.docker_data_root) {
             "overlay2" => Outcome::pass(ID, format!("{} can hold overlay2 in a user namespace", settings.docker_data_root.display())),
             driver => Outcome::fail(
@@ -257,7 +257,7 @@ fn storage(settings: &Settings) -> Outcome {
 
 fn dockerd(settings: &Settings) -> Outcome {
     const ID: &str = "dockerd";
-    if !settings.docker {
+    if !settings.job_docker.runs_dockerd() {
         return Outcome::skip(ID, "Docker is off (SUPERVISOR_DOCKER=false)");
     }
     match pid1::dockerd::ping(&settings.docker_socket, Duration::from_secs(2)) {

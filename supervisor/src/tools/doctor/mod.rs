@@ -22,9 +22,8 @@ pub struct Settings {
     pub identity: bool,
     pub spiffe_endpoint: Option<String>,
     pub spiffe_id: Option<String>,
-    pub docker: bool,
-    /// The job's dockerd is rootless: no loop storage to check.
-    pub docker_rootless: bool,
+    /// Which dockerd the job has (rootless: no loop storage to check).
+    pub job_docker: contract::environment::JobDocker,
     pub docker_data_root: PathBuf,
     pub docker_socket: PathBuf,
     pub dockerd_log: PathBuf,
