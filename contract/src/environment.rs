@@ -56,7 +56,8 @@ pub mod runner_user {
 /// `job_dockerd`/`rootless_dockerd` settings, the supervisor's [`supervisor::DOCKER`] and
 /// [`supervisor::DOCKER_ROOTLESS`]), so that no combination of two flags can mean
 /// something neither side meant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum JobDocker {
     /// No dockerd: the job uses none (the safe default of the docker and kubernetes
     /// placements).
@@ -75,6 +76,15 @@ impl JobDocker {
             (false, _) => JobDocker::None,
             (true, true) => JobDocker::Rootless,
             (true, false) => JobDocker::Root,
+        }
+    }
+
+    /// As the settings write it: `none`, `rootless`, `root`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            JobDocker::None => "none",
+            JobDocker::Rootless => "rootless",
+            JobDocker::Root => "root",
         }
     }
 

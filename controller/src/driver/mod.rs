@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use async_trait::async_trait;
+use contract::environment::JobDocker;
 
 use crate::assignment::placement::Placement;
 
@@ -284,5 +285,78 @@ mod tests {
         assert_eq!(attempt_name(&instance, "gitea-task-42", 0), environment_name(&instance, "gitea-task-42"));
         assert_ne!(attempt_name(&instance, "gitea-task-42", 1), attempt_name(&instance, "gitea-task-42", 2));
         assert!(attempt_name(&instance, &format!("gitea-task-{}", i64::MAX), 9).len() <= 63, "DNS-1123 labels are at most 63 characters");
+    }
+}
+
+/// The job's Docker a placement's settings name: `job_docker` (`"none"`, `"rootless"`,
+/// `"root"`), or the two switches it replaces, read as its aliases (`job_dockerd = true`:
+/// root, `rootless_dockerd = true`: rootless). [`check_job_docker`] refuses settings that
+/// say two things.
+pub fn job_docker_of(mode: Option<JobDocker>, job_dockerd: bool, rootless_dockerd: bool) -> JobDocker {
+    match (mode, job_dockerd, rootless_dockerd) {
+        (Some(mode), ..) => mode,
+        (None, true, _) => JobDocker::Root,
+        (None, false, true) => JobDocker::Rootless,
+        (None, false, false) => JobDocker::None,
+    }
+}
+
+/// Refuses `[section]` settings whose job Docker is two things at once.
+pub fn check_job_docker(section: &str, mode: Option<JobDocker>, job_dockerd: bool, rootless_dockerd: bool, problems: &mut crate::setting::Problems) {
+    if job_dockerd && rootless_dockerd {
+        problems.add(
+            format!("{section}.rootless_dockerd"),
+            "choose one job dockerd: rootless_dockerd (no step is root on this host) or job_dockerd (a step is root on this host: trusted code only)",
+        );
+    }
+    if let Some(mode) = mode {
+        for (alias, set, means) in [("job_dockerd", job_dockerd, JobDocker::Root), ("rootless_dockerd", rootless_dockerd, JobDocker::Rootless)] {
+            if set && mode != means {
+                problems.add(
+                    format!("{section}.job_docker"),
+                    format!(
+                        "job_docker = \"{}\" contradicts {alias} = true: keep job_docker alone (it replaces job_dockerd and rootless_dockerd)",
+                        mode.as_str()
+                    ),
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod job_docker_tests {
+    use contract::environment::JobDocker::{self, None as Off, Root, Rootless};
+
+    use super::{check_job_docker, job_docker_of};
+    use crate::setting::Problems;
+
+    #[test]
+    fn the_mode_or_its_aliases_and_no_contradiction() {
+        let cases: [(Option<JobDocker>, bool, bool, Result<JobDocker, &str>); 10] = [
+            (None, false, false, Ok(Off)),
+            (None, true, false, Ok(Root)),
+            (None, false, true, Ok(Rootless)),
+            (None, true, true, Err("docker.rootless_dockerd")),
+            (Some(Off), false, false, Ok(Off)),
+            (Some(Rootless), false, false, Ok(Rootless)),
+            (Some(Root), true, false, Ok(Root)),
+            (Some(Rootless), false, true, Ok(Rootless)),
+            (Some(Off), true, false, Err("docker.job_docker")),
+            (Some(Root), false, true, Err("docker.job_docker")),
+        ];
+        for (mode, job, rootless, want) in cases {
+            let checked = Problems::check(|problems| check_job_docker("docker", mode, job, rootless, problems));
+            match want {
+                Ok(expected) => {
+                    assert_eq!(checked, Ok(()), "{mode:?} {job} {rootless}");
+                    assert_eq!(job_docker_of(mode, job, rootless), expected, "{mode:?} {job} {rootless}");
+                }
+                Err(setting) => {
+                    let problems = checked.expect_err("refused").to_string();
+                    assert!(problems.contains(setting), "{mode:?} {job} {rootless}: {problems}");
+                }
+            }
+        }
     }
 }

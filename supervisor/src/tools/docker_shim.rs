@@ -21,8 +21,8 @@ const DEFAULT_SOCKET: &str = "/var/run/docker.sock";
 
 /// What a step that calls `docker` without a Docker is told (one line).
 pub const NO_DOCKER: &str = "docker: this environment has no Docker: jobs here run without one, the default for untrusted code. \
-     For docker build, docker run, services: and container: the runner's operator sets rootless_dockerd = true \
-     (docker placement: a Docker of the job's own, no step is root on the host) or job_dockerd = true \
+     For docker build, docker run, services: and container: the runner's operator sets job_docker = \"rootless\" \
+     (docker placement: a Docker of the job's own, no step is root on the host) or job_docker = \"root\" \
      (a step is root on the host: trusted code only), or the job asks for a VM: runs-on: [disposable, vm].";
 
 #[derive(Debug, PartialEq, Eq)]

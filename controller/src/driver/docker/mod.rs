@@ -57,14 +57,18 @@ pub struct DockerConfig {
     pub socket: String,
     /// The runner image (supervisor as ENTRYPOINT).
     pub image: String,
-    /// Every job gets its own dockerd (`docker build`, `docker run` in steps). That needs
-    /// `privileged = true` or the explicit lists below, and makes a job step root on this
-    /// host: for trusted code only. Off by default.
+    /// Which Docker every job gets of its own: `"none"` (the default); `"rootless"`, a
+    /// rootless dockerd (runner uid, user namespaces: `docker build`, `services:`,
+    /// `container:` with no step root on this host; needs /dev/net/tun (mode 0666) and
+    /// `seccomp_profile` on this host); or `"root"`, a dockerd as root, which needs
+    /// `privileged = true` or the explicit lists below and makes a job step root on this
+    /// host: for trusted code only.
+    #[serde(default)]
+    pub job_docker: Option<JobDocker>,
+    /// `job_docker = "root"`, as older configurations say it.
     #[serde(default)]
     pub job_dockerd: bool,
-    /// Every job gets its own rootless dockerd (runner uid, user namespaces): `docker
-    /// build`, `services:`, `container:` with no step root on this host. Needs
-    /// /dev/net/tun (mode 0666) and `seccomp_profile` on this host.
+    /// `job_docker = "rootless"`, as older configurations say it.
     #[serde(default)]
     pub rootless_dockerd: bool,
     /// The seccomp profile rootless environments start from (see `driver::seccomp`).
@@ -185,6 +189,7 @@ impl DockerConfig {
         DockerConfig {
             socket: default_socket(),
             image: image.to_owned(),
+            job_docker: None,
             job_dockerd: true,
             rootless_dockerd: false,
             seccomp_profile: default_seccomp_profile(),
@@ -204,13 +209,9 @@ impl DockerConfig {
         }
     }
 
-    /// Which Docker its jobs have (the settings refuse both dockerds at once).
-    pub const fn job_docker(&self) -> JobDocker {
-        match (self.job_dockerd, self.rootless_dockerd) {
-            (true, _) => JobDocker::Root,
-            (false, true) => JobDocker::Rootless,
-            (false, false) => JobDocker::None,
-        }
+    /// Which Docker its jobs have (`job_docker`, or its aliases).
+    pub fn job_docker(&self) -> JobDocker {
+        super::job_docker_of(self.job_docker, self.job_dockerd, self.rootless_dockerd)
     }
 
     /// The limits as Docker takes them: (memory bytes, nano-CPUs).
@@ -231,24 +232,20 @@ impl DockerConfig {
 
     pub fn validate(&self, problems: &mut Problems) {
         problems.take(self.limits());
-        if self.job_dockerd && !self.privileged && self.cap_add.is_empty() {
+        super::check_job_docker("docker", self.job_docker, self.job_dockerd, self.rootless_dockerd, problems);
+        let mode = self.job_docker();
+        if mode == JobDocker::Root && !self.privileged && self.cap_add.is_empty() {
             problems.add(
-                "docker.job_dockerd",
+                "docker.job_docker",
                 "a job-local dockerd needs a container that mounts loop devices: set privileged = true, or the capability and device lists \
                  (cap_add = [\"ALL\"], device_cgroup_rules = [\"b 7:* rmw\", \"c 10:237 rmw\"], security_opt = [\"seccomp=unconfined\", \"apparmor=unconfined\"])",
             );
         }
-        if self.job_dockerd && self.rootless_dockerd {
-            problems.add(
-                "docker.rootless_dockerd",
-                "choose one job dockerd: rootless_dockerd (no step is root on this host) or job_dockerd (a step is root on this host: trusted code only)",
-            );
-        }
-        super::check_registry_mirrors("docker.registry_mirrors", &self.registry_mirrors, self.job_dockerd || self.rootless_dockerd, problems);
-        if !self.job_dockerd && (self.privileged || !self.cap_add.is_empty() || !self.device_cgroup_rules.is_empty()) {
+        super::check_registry_mirrors("docker.registry_mirrors", &self.registry_mirrors, mode.runs_dockerd(), problems);
+        if mode != JobDocker::Root && (self.privileged || !self.cap_add.is_empty() || !self.device_cgroup_rules.is_empty()) {
             problems.add(
                 "docker.privileged",
-                "privileges and capability lists are for a job-local dockerd only: set job_dockerd = true (trusted code only), or remove them",
+                "privileges and capability lists are for a root job dockerd only: set job_docker = \"root\" (trusted code only), or remove them",
             );
         }
         if self.pids_limit < 64 {
@@ -265,7 +262,7 @@ impl DockerConfig {
 
     /// What a job step can reach in these containers, said once at start (docs/security.md).
     pub fn trust_notice(&self) -> Option<String> {
-        self.job_dockerd.then(|| {
+        (self.job_docker() == JobDocker::Root).then(|| {
             let how = if self.privileged { "privileged containers" } else { "containers with the capability list" };
             format!(
                 "container.docker: jobs get their own dockerd in {how}: a job step can become root on this host and read the controller's \

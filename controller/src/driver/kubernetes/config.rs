@@ -24,12 +24,16 @@ pub struct KubernetesConfig {
     /// The supervisor and the runner (the image's ENTRYPOINT and CMD by default).
     #[serde(default = "crate::driver::default_command")]
     pub command: Vec<String>,
-    /// Every job gets its own dockerd (`docker build`, `docker run` in steps). That needs
-    /// `privileged` or the `capabilities` list and makes a job step root on its node:
-    /// trusted code only. Off by default: the Pod drops every capability but those the
+    /// Which Docker every job gets: `"none"` (the default) or `"root"`, its own dockerd
+    /// (`docker build`, `docker run` in steps), which needs `privileged` or the
+    /// `capabilities` list and makes a job step root on its node: trusted code only (no
+    /// rootless mode on Pods yet). Without one: the Pod drops every capability but those the
     /// supervisor needs to start the runner, with the runtime's seccomp profile and no
     /// privilege escalation (the jobs namespace can enforce the `baseline` Pod Security
     /// level).
+    #[serde(default)]
+    pub job_docker: Option<contract::environment::JobDocker>,
+    /// `job_docker = "root"`, as older configurations say it.
     #[serde(default)]
     pub job_dockerd: bool,
     /// Registry mirrors the job's dockerd pulls Docker Hub images through (`job_dockerd`).
@@ -151,15 +155,14 @@ fn default_workload_mount() -> String {
 }
 
 impl KubernetesConfig {
-    /// Which Docker its jobs have: a root dockerd with `job_dockerd`, none otherwise (no
-    /// rootless mode on Pods yet).
-    pub const fn job_docker(&self) -> contract::environment::JobDocker {
-        if self.job_dockerd { contract::environment::JobDocker::Root } else { contract::environment::JobDocker::None }
+    /// Which Docker its jobs have (`job_docker`, or its alias `job_dockerd`).
+    pub fn job_docker(&self) -> contract::environment::JobDocker {
+        crate::driver::job_docker_of(self.job_docker, self.job_dockerd, false)
     }
 
     /// What a job step can reach in these Pods, said once at start (docs/security.md).
     pub fn trust_notice(&self) -> Option<String> {
-        self.job_dockerd.then(|| {
+        self.job_docker().runs_dockerd().then(|| {
             let how = if self.privileged { "privileged Pods" } else { "Pods with the capability list and no seccomp" };
             format!(
                 "container.kubernetes: jobs get their own dockerd in {how}: a job step can become root on its node and reach the Pods, \
@@ -169,7 +172,11 @@ impl KubernetesConfig {
     }
 
     pub fn validate(&self, problems: &mut Problems) {
-        crate::driver::check_registry_mirrors("kubernetes.registry_mirrors", &self.registry_mirrors, self.job_dockerd, problems);
+        crate::driver::check_job_docker("kubernetes", self.job_docker, self.job_dockerd, false, problems);
+        if self.job_docker == Some(contract::environment::JobDocker::Rootless) {
+            problems.add("kubernetes.job_docker", "\"rootless\" is not offered on Pods yet: \"none\" or \"root\" (docs/security.md)");
+        }
+        crate::driver::check_registry_mirrors("kubernetes.registry_mirrors", &self.registry_mirrors, self.job_docker().runs_dockerd(), problems);
         let mut invalid = |setting: &str, message: String| problems.add(format!("kubernetes.{setting}"), message);
         if !is_dns_label(&self.namespace) {
             invalid("namespace", format!("{:?} is not a namespace name (lower-case letters, digits and '-', at most 63)", self.namespace));
@@ -183,7 +190,7 @@ impl KubernetesConfig {
         if self.command.is_empty() {
             invalid("command", "must name the supervisor (the default does)".into());
         }
-        if self.job_dockerd && !self.privileged && self.capabilities.is_empty() {
+        if self.job_docker().runs_dockerd() && !self.privileged && self.capabilities.is_empty() {
             invalid("capabilities", "a job-local dockerd needs privileged = true or capabilities to mount its storage and run dockerd".into());
         }
         for (setting, value) in [("cpu", &self.cpu), ("memory", &self.memory), ("work_size_limit", &self.work_size_limit)] {
@@ -248,6 +255,11 @@ mod tests {
             ("kubernetes.image", |c| c.image = " ".into()),
             ("kubernetes.image_pull_policy", |c| c.image_pull_policy = "Sometimes".into()),
             ("kubernetes.command", |c| c.command.clear()),
+            ("kubernetes.job_docker", |c| c.job_docker = Some(contract::environment::JobDocker::Rootless)),
+            ("kubernetes.job_docker", |c| {
+                c.job_docker = Some(contract::environment::JobDocker::None);
+                c.job_dockerd = true;
+            }),
             ("kubernetes.capabilities", |c| {
                 c.job_dockerd = true;
                 c.privileged = false;

@@ -365,7 +365,7 @@ async fn a_step_calling_docker_where_there_is_none_is_told_why() {
     assert_eq!(status_of(&tasks, "build"), "failure", "{log}");
     in_order(
         &log,
-        &["Docker version ", "docker: this environment has no Docker", "rootless_dockerd = true", "job_dockerd = true", "runs-on: [disposable, vm]"],
+        &["Docker version ", "docker: this environment has no Docker", "job_docker = \"rootless\"", "job_docker = \"root\"", "runs-on: [disposable, vm]"],
     );
     assert!(!log.contains("Is the docker daemon running?"), "{log}");
     let told = log.lines().find(|l| l.contains("this environment has no Docker")).unwrap_or_default();

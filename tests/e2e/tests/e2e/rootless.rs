@@ -134,7 +134,7 @@ async fn a_rootless_job_docker_builds_runs_serves_and_keeps_the_host_out() {
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.job_dockerd = false;
     options.capacity = 3;
-    options.docker_extra = format!("rootless_dockerd = true\nregistry_mirrors = [\"http://{}:{}\"]", docker.bridge_ip, registry.port);
+    options.docker_extra = format!("job_docker = \"rootless\"\nregistry_mirrors = [\"http://{}:{}\"]", docker.bridge_ip, registry.port);
     let mut controller = Controller::start(options).await;
     let marker = controller.state_dir.join("host-marker");
     let marker_value = format!("host-only-{}", fastrand::u64(..));
