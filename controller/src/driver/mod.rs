@@ -333,7 +333,9 @@ mod job_docker_tests {
 
     #[test]
     fn the_mode_or_its_aliases_and_no_contradiction() {
-        let cases: [(Option<JobDocker>, bool, bool, Result<JobDocker, &str>); 10] = [
+        /// (job_docker, job_dockerd, rootless_dockerd) → the mode, or the setting refused.
+        type Case = (Option<JobDocker>, bool, bool, Result<JobDocker, &'static str>);
+        let cases: [Case; 10] = [
             (None, false, false, Ok(Off)),
             (None, true, false, Ok(Root)),
             (None, false, true, Ok(Rootless)),
