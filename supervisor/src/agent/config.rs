@@ -15,10 +15,10 @@ pub const CAPABILITY_ENV: &str = contract::environment::CAPABILITY;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AgentConfig {
     pub identity: Option<IdentitySettings>,
-    /// Whether PID 1 reports on dockerd (see [`super::docker_report`]).
+    /// Whether PID 1 reports on dockerd (see [`super::docker::report`]).
     pub docker: bool,
     pub docker_host: Option<String>,
-    /// A rootless dockerd's public socket, which the agent serves ([`super::docker_proxy`]).
+    /// A rootless dockerd's public socket, which the agent serves ([`super::docker::proxy`]).
     #[serde(default)]
     pub docker_proxy: Option<DockerProxy>,
     pub socket: PathBuf,
@@ -29,7 +29,7 @@ pub struct AgentConfig {
     pub facade: Option<FacadeSettings>,
 }
 
-/// Where the agent takes `docker` calls ([`super::docker_proxy`]) and where dockerd
+/// Where the agent takes `docker` calls ([`super::docker::proxy`]) and where dockerd
 /// answers them once it binds its socket.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DockerProxy {

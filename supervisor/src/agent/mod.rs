@@ -5,7 +5,7 @@
 //! facade's connection), the readiness protocol ([`ready`]) and the job command with
 //! its signals ([`job`]); its settings are in [`config`], its failures and their exit
 //! codes in [`error`]. It never touches storage, cgroups or dockerd's process; it
-//! learns of dockerd through a pipe ([`docker_report`]).
+//! learns of dockerd through a pipe ([`docker::report`]).
 //!
 //! It waits for the job's exact SVID (SPIRE attests the caller's uid, so this wait
 //! must run as uid 2000, never as root) and for PID 1's word that dockerd is ready,
@@ -19,8 +19,7 @@ use tokio::sync::{mpsc, watch};
 pub mod cache_proxy;
 pub mod capability;
 pub mod config;
-pub mod docker_proxy;
-pub mod docker_report;
+pub mod docker;
 pub mod error;
 pub mod facade_client;
 pub mod identity;
@@ -31,7 +30,7 @@ pub mod ready;
 
 pub use capability::CAPABILITY_FD;
 pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, DockerProxy, FacadeSettings, IdentitySettings};
-pub use docker_report::DOCKER_FD;
+pub use docker::report::DOCKER_FD;
 pub use error::AgentError;
 use job::Signals;
 use ready::{Readiness, Status};
@@ -110,10 +109,10 @@ async fn run_with(config: AgentConfig, capability: Option<String>) -> Result<u8,
     }
     if let Some(proxy) = &config.docker_proxy {
         let listener =
-            bind_unix(&proxy.listen, docker_proxy::SOCKET_MODE).map_err(|source| AgentError::DockerSocket { socket: proxy.listen.clone(), source })?;
+            bind_unix(&proxy.listen, docker::proxy::SOCKET_MODE).map_err(|source| AgentError::DockerSocket { socket: proxy.listen.clone(), source })?;
         let listening = format!("{} takes connections; the rootless dockerd starts behind it", proxy.listen.display());
         state.send_modify(|r| r.docker = Status::Starting(listening));
-        tasks.spawn(docker_proxy::serve(listener, proxy.upstream.clone(), Duration::from_millis(proxy.patience_ms), readiness.clone()));
+        tasks.spawn(docker::proxy::serve(listener, proxy.upstream.clone(), Duration::from_millis(proxy.patience_ms), readiness.clone()));
     }
     if config.docker {
         let state = state.clone();

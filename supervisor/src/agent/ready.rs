@@ -2,7 +2,7 @@
 //! line each way over a unix socket owned by the runner uid. Both ends live here: the
 //! agent's server ([`bind`], [`serve`]), the hook's client ([`wait`]), and the reports
 //! from PID 1 about dockerd that feed the answer ([`read_docker_reports`]; the reports
-//! themselves are [`super::docker_report`]'s).
+//! themselves are [`super::docker::report`]'s).
 //!
 //! request:  `{"wait_ms": 30000}` — answer when everything is ready, something failed,
 //!           or after `wait_ms`, whichever comes first;
@@ -22,7 +22,7 @@ use tokio::{
     sync::{mpsc, watch},
 };
 
-use super::docker_report::{DOCKER_FD, DockerReport};
+use super::docker::report::{DOCKER_FD, DockerReport};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", content = "detail", rename_all = "snake_case")]

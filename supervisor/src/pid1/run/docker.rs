@@ -21,7 +21,7 @@ use nix::sys::signal::Signal;
 
 use super::Supervisor;
 use crate::{
-    agent::docker_report::DockerReport,
+    agent::docker::report::DockerReport,
     exit::ChildStatus,
     pid1::{
         Pid1, Settings,

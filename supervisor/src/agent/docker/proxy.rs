@@ -18,7 +18,7 @@ use tokio::{
     task::JoinSet,
 };
 
-use super::ready::Readiness;
+use crate::agent::ready::Readiness;
 
 /// How often a waiting connection tries dockerd's socket.
 const RETRY: Duration = Duration::from_millis(10);

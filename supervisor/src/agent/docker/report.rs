@@ -1,6 +1,6 @@
 //! PID 1's reports to the agent about the job-local dockerd: one line each on the
-//! agent's fd [`DOCKER_FD`], written by PID 1 (`pid1::run`) and read by the agent
-//! ([`super::ready::read_docker_reports`]). Both sides go through [`DockerReport`], so
+//! agent's fd [`DOCKER_FD`], written by PID 1 (`pid1::run`'s `docker`) and read by the agent
+//! ([`crate::agent::ready::read_docker_reports`]). Both sides go through [`DockerReport`], so
 //! the words on the wire are written down here alone.
 //!
 //! `listening <detail>` (dockerd's socket takes connections; dockerd starts behind it),
