@@ -689,26 +689,8 @@ mod hostile {
             }
         }
 
-        fn mutate(&mut self, mut bytes: Vec<u8>) -> Vec<u8> {
-            for _ in 0..self.rng.usize(1..4) {
-                match self.rng.u8(0..4) {
-                    0 if !bytes.is_empty() => {
-                        let i = self.rng.usize(..bytes.len());
-                        bytes[i] = self.rng.u8(..);
-                    }
-                    1 => {
-                        let i = self.rng.usize(..=bytes.len());
-                        bytes.insert(i, self.rng.u8(..));
-                    }
-                    2 if !bytes.is_empty() => bytes.truncate(self.rng.usize(..bytes.len())),
-                    _ => {
-                        let i = self.rng.usize(..=bytes.len());
-                        let junk: Vec<u8> = (0..self.rng.usize(1..16)).map(|_| self.rng.u8(..)).collect();
-                        bytes.splice(i..i, junk);
-                    }
-                }
-            }
-            bytes
+        fn mutate(&mut self, bytes: Vec<u8>) -> Vec<u8> {
+            testkit::mutate(&mut self.rng, bytes)
         }
 
         fn grpc(&mut self, class: Class, procedure: &str, body: Vec<u8>) -> Request {

@@ -122,28 +122,8 @@ impl Generator {
         }
     }
 
-    fn mutate(&mut self, mut bytes: Vec<u8>) -> Vec<u8> {
-        for _ in 0..self.rng.usize(1..4) {
-            match self.rng.u8(0..4) {
-                0 if !bytes.is_empty() => {
-                    let i = self.rng.usize(..bytes.len());
-                    bytes[i] = self.rng.u8(..);
-                }
-                1 => {
-                    let i = self.rng.usize(..=bytes.len());
-                    bytes.insert(i, self.rng.u8(..));
-                }
-                2 if !bytes.is_empty() => {
-                    let i = self.rng.usize(..bytes.len());
-                    bytes.truncate(i);
-                }
-                _ => {
-                    let n = self.rng.usize(0..64);
-                    bytes.extend((0..n).map(|_| self.rng.u8(..)));
-                }
-            }
-        }
-        bytes
+    fn mutate(&mut self, bytes: Vec<u8>) -> Vec<u8> {
+        testkit::mutate(&mut self.rng, bytes)
     }
 
     fn random_bytes(&mut self, max: usize) -> Vec<u8> {

@@ -63,8 +63,7 @@ impl Cluster {
 
     fn start() -> Cluster {
         let scripts = scripts();
-        let peers = std::env::var("PEERS_CACHE").unwrap_or_else(|_| format!("{}/.cache/gitea-dynamic-runner/peers", std::env::var("HOME").unwrap_or_default()));
-        let top = PathBuf::from(peers).join("kubernetes");
+        let top = testkit::peers_cache().join("kubernetes");
         assert!(top.join("bin/kube-apiserver").exists(), "{} has no Kubernetes build: run scripts/install-test-peers", top.display());
         let started = Instant::now();
         let output = Command::new(scripts.join("up.sh")).env("PEERS_CACHE", top.parent().unwrap()).stdin(Stdio::null()).output().unwrap();

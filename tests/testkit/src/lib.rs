@@ -87,6 +87,35 @@ pub async fn http_get(url: &str) -> (u16, String) {
     (response.status().as_u16(), response.text().await.unwrap_or_default())
 }
 
+/// `bytes` changed one to three times at random — a byte replaced, one inserted, the rest
+/// cut off, junk appended or spliced in — for the tests that feed hostile input to a
+/// parser (the facade's, the loopback's): one mutator, so both campaigns try the same.
+pub fn mutate(rng: &mut fastrand::Rng, mut bytes: Vec<u8>) -> Vec<u8> {
+    for _ in 0..rng.usize(1..4) {
+        match rng.u8(0..5) {
+            0 if !bytes.is_empty() => {
+                let i = rng.usize(..bytes.len());
+                bytes[i] = rng.u8(..);
+            }
+            1 => {
+                let i = rng.usize(..=bytes.len());
+                bytes.insert(i, rng.u8(..));
+            }
+            2 if !bytes.is_empty() => bytes.truncate(rng.usize(..bytes.len())),
+            3 => {
+                let n = rng.usize(0..64);
+                bytes.extend((0..n).map(|_| rng.u8(..)));
+            }
+            _ => {
+                let i = rng.usize(..=bytes.len());
+                let junk: Vec<u8> = (0..rng.usize(1..16)).map(|_| rng.u8(..)).collect();
+                bytes.splice(i..i, junk);
+            }
+        }
+    }
+    bytes
+}
+
 /// The value of the sample `name` (with its labels, e.g. `gdr_errors_total{kind="x"}`) in
 /// a Prometheus text exposition, 0 when absent.
 pub fn metric(metrics: &str, name: &str) -> u64 {
