@@ -34,15 +34,10 @@ install_debs() {
 # its pinned sources and links $PEERS_CACHE/bin/NAME to it. The Go module proxy refuses
 # gitea.com/gitea/runner and act_runner, so these come from unmodified upstream source
 # snapshots kept beside the repository (../shared/peers/build); a clone elsewhere finds the
-# builder through PEERS_BUILD or at its place on this machine.
+# builder beside the repository it was cloned from, or through PEERS_BUILD.
 build_peer() {
-  local here candidate peers_build=${PEERS_BUILD:-} peer line
-  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  for candidate in "$here/../../shared/peers/build" /work/shared/peers/build; do
-    [ -n "$peers_build" ] && break
-    [ -x "$candidate" ] && peers_build=$candidate
-  done
-  { [ -n "$peers_build" ] && [ -x "$peers_build" ]; } || die "the test-peer builder (shared/peers/build) is not beside the repository nor at /work/shared: set PEERS_BUILD (for gitea-runner alone, RUNNER_BIN=a binary from Gitea's releases skips the build)"
+  local peers_build=${PEERS_BUILD:-$(beside_repository peers/build)} peer line
+  { [ -n "$peers_build" ] && [ -x "$peers_build" ]; } || die "the test-peer builder (shared/peers/build) is not beside the repository nor beside its origin: set PEERS_BUILD (for gitea-runner alone, RUNNER_BIN=a binary from Gitea's releases skips the build)"
   for peer in "$@"; do
     line=$("$peers_build" "$peer" | tail -n 1) || die "building $peer failed"
     echo "$line"
