@@ -122,7 +122,7 @@ async fn main() {
     }
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = e2e::cache_action::gitea_with_it(docker.bridge_ip.into()).await;
+    let gitea = e2e::actions::gitea_with_actions(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
 
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);

@@ -42,25 +42,7 @@ pub fn cluster() -> &'static Cluster {
 /// The peer's scripts: `K8S_PEER_SCRIPTS`, or `shared/peers/kubernetes` beside the
 /// repository or beside the repository it was cloned from.
 fn scripts() -> PathBuf {
-    let repository = crate::paths::repository();
-    // A clone elsewhere (as CI makes) finds them beside the repository it was cloned from,
-    // as scripts/lib/common.sh's `beside_repository` does.
-    let origin = std::process::Command::new("git")
-        .args(["-C", &repository.to_string_lossy(), "config", "--get", "remote.origin.url"])
-        .output()
-        .ok()
-        .map(|output| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
-        .filter(|origin| origin.is_absolute());
-    let candidates = std::env::var_os("K8S_PEER_SCRIPTS")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain(std::iter::once(repository.join("..")).chain(origin.map(|origin| origin.join(".."))).map(|top| top.join("shared/peers/kubernetes")));
-    for candidate in candidates {
-        if candidate.join("up.sh").exists() {
-            return candidate;
-        }
-    }
-    panic!("the Kubernetes peer scripts (shared/peers/kubernetes/up.sh) are neither beside the repository nor beside its origin: set K8S_PEER_SCRIPTS");
+    crate::paths::shared("peers/kubernetes", "up.sh", "K8S_PEER_SCRIPTS")
 }
 
 impl Cluster {

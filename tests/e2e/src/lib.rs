@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
-pub mod cache_action;
+pub mod actions;
 pub mod docker;
 pub mod kubernetes;
 pub mod paths;

@@ -126,3 +126,27 @@ pub fn controller_image_with(cache: Option<&std::path::Path>, context: Option<&s
     let mut words = line.split_whitespace().skip(1);
     (words.next().unwrap().to_owned(), PathBuf::from(words.next().unwrap()))
 }
+
+/// A folder of the shared test peers (`shared/<path>`): beside the repository, or beside the
+/// one it was cloned from (a clone elsewhere, as CI makes), as scripts/lib/common.sh's
+/// `beside_repository` finds them; `override_env` names a variable that points at it
+/// directly. `marker` is a file the folder must hold.
+pub fn shared(path: &str, marker: &str, override_env: &str) -> PathBuf {
+    let repository = repository();
+    let origin = Command::new("git")
+        .args(["-C", &repository.to_string_lossy(), "config", "--get", "remote.origin.url"])
+        .output()
+        .ok()
+        .map(|output| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+        .filter(|origin| origin.is_absolute());
+    let candidates = std::env::var_os(override_env)
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(std::iter::once(repository.join("..")).chain(origin.map(|origin| origin.join(".."))).map(|top| top.join("shared").join(path)));
+    for candidate in candidates {
+        if candidate.join(marker).exists() {
+            return candidate;
+        }
+    }
+    panic!("shared/{path}/{marker} is neither beside the repository nor beside its origin: set {override_env}")
+}

@@ -595,6 +595,36 @@ impl Gitea {
         self.expect_status(resp, &[201], "create the tag").await;
     }
 
+    /// Pushes the files of `tree` as one commit of its own, tagged `tag`, over git's HTTP
+    /// (a tree of thousands of files: the contents API would take one request each). The
+    /// repository's branches are untouched; the tag is the only way to the commit.
+    pub fn push_tree_as_tag(&self, repo: &Repo, tree: &Path, tag: &str) {
+        let git = |args: &[&str]| {
+            let output = std::process::Command::new("git")
+                .arg("-C")
+                .arg(tree)
+                .args(["-c", "user.name=gdr-test", "-c", "user.email=gdr-test@example.invalid", "-c", "init.defaultBranch=main"])
+                .args(args)
+                .env("GIT_TERMINAL_PROMPT", "0")
+                .output()
+                .expect("git cannot run");
+            assert!(
+                output.status.success(),
+                "git {} in {}: {}{}",
+                args.first().unwrap_or(&""),
+                tree.display(),
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        };
+        let remote = format!("http://{ADMIN_USER}:{}@{}/{}/{}.git", self.password, self.addr, repo.owner, repo.name);
+        git(&["init", "-q"]);
+        git(&["add", "-A", "-f"]);
+        git(&["commit", "-q", "-m", &format!("{} {tag}", repo.full_name())]);
+        git(&["tag", tag]);
+        git(&["push", "-q", &remote, &format!("refs/tags/{tag}")]);
+    }
+
     /// A branch `name` from the head of `main`.
     pub async fn create_branch(&self, repo: &Repo, name: &str) {
         let resp = self

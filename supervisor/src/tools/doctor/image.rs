@@ -52,6 +52,7 @@ pub fn parse_packages(text: &str) -> Result<Vec<Package>, String> {
 
 pub fn all(settings: &Settings) -> Vec<Outcome> {
     let mut outcomes = packages(&settings.packages);
+    outcomes.push(node());
     outcomes.push(super::checks::runner(settings));
     outcomes.push(super::checks::cache(settings));
     outcomes.push(job_started(&settings.runner_config));
@@ -113,6 +114,34 @@ fn probe(package: &Package) -> Outcome {
             }
         }
     }
+}
+
+/// The oldest Node.js major that runs the actions people use today (`using: node20`); the
+/// image carries 24, which runs node24 actions too.
+const NODE_MAJOR_AT_LEAST: u32 = 20;
+
+/// The `node` on PATH, which gitea-runner runs JavaScript actions with.
+fn node() -> Outcome {
+    const ID: &str = "node";
+    let hint = "the image carries Node.js 24 as /usr/local/bin/node (scripts/build-image); a derived image must keep a node on PATH";
+    let Some(binary) = super::checks::which(Path::new("node")) else {
+        return Outcome::fail(ID, "node is not on PATH: no JavaScript action (`uses:` of a node20/node24 action) can run", hint);
+    };
+    let version = match Command::new(&binary).arg("--version").output() {
+        Ok(output) if output.status.success() => String::from_utf8_lossy(&output.stdout).trim().to_owned(),
+        Ok(output) => return Outcome::fail(ID, format!("{} --version exited with {}", binary.display(), output.status), hint),
+        Err(error) => return Outcome::fail(ID, format!("cannot run {}: {error}", binary.display()), hint),
+    };
+    match node_major(&version) {
+        Some(major) if major >= NODE_MAJOR_AT_LEAST => Outcome::pass(ID, format!("{version} ({})", binary.display())),
+        Some(_) => Outcome::fail(ID, format!("{} is Node.js {version}: node20 and node24 actions need {NODE_MAJOR_AT_LEAST} or later", binary.display()), hint),
+        None => Outcome::fail(ID, format!("{} --version printed {version:?}, not a Node.js version", binary.display()), hint),
+    }
+}
+
+/// `v24.22.3` → 24.
+fn node_major(version: &str) -> Option<u32> {
+    version.strip_prefix('v')?.split('.').next()?.parse().ok()
 }
 
 /// The hook the runner's config names must be there and executable by the runner user.
@@ -212,11 +241,18 @@ mod tests {
     fn the_repositorys_package_list_parses() {
         let list = include_str!("../../../../rootfs/usr/local/lib/gitea-dynamic-runner/packages");
         let packages = parse_packages(list).unwrap();
-        for needed in ["dockerd", "mkfs.ext4", "iptables", "node", "git"] {
+        for needed in ["dockerd", "mkfs.ext4", "iptables", "git"] {
             assert!(
                 packages.iter().any(|p| matches!(&p.probe, Probe::Command { program, .. } if program == needed)),
                 "the image's package list lacks {needed}"
             );
+        }
+    }
+
+    #[test]
+    fn node_versions_read_as_their_major() {
+        for (printed, major) in [("v24.22.3", Some(24)), ("v18.19.0", Some(18)), ("24.1.0", None), ("", None), ("vX", None)] {
+            assert_eq!(node_major(printed), major, "{printed:?}");
         }
     }
 

@@ -1,12 +1,11 @@
 //! The jobs' cache for real: the real Gitea (1.23 or 1.27), the runner image with the
-//! supervisor as PID 1, the real gitea-runner, and `uses: actions/cache@v4` — mirrored
-//! into the test Gitea (`DEFAULT_ACTIONS_URL = self`): actions/cache@v4's steps over the
-//! real `@actions/cache` client it bundles, built as the action is (tests/e2e/actions).
-//! gitea-runner registers each job with the supervisor's cache proxy and rewrites the
-//! action's bundle; the image's Node.js 18 has no global Web Crypto for the v2 client's
-//! uploads, so the proxy has gitea-runner advertise v1. A step that sets
-//! `ACTIONS_CACHE_SERVICE_V2` (and Node's flag for the global crypto) makes its client
-//! speak v2. Both reach the controller's cache over the facade's own connection.
+//! supervisor as PID 1, the real gitea-runner, and the real `actions/cache@v4` (node20) and
+//! `@v5` (node24) at their tags (`e2e::actions`), served by the test Gitea
+//! (`DEFAULT_ACTIONS_URL = self`). gitea-runner registers each job with the supervisor's
+//! cache proxy and rewrites the action's bundle; the image's Node.js 24 has the global Web
+//! Crypto the v2 client's uploads need, so the proxy has gitea-runner advertise v2. A step
+//! that empties `ACTIONS_CACHE_SERVICE_V2` makes its client speak v1, as an older client
+//! does. Both reach the controller's cache over the facade's own connection.
 //!
 //! What GitHub promises, checked on Gitea's own records of each job: a save restores in
 //! the next job of the repository; another repository with the same key misses; a pull
@@ -25,8 +24,8 @@ use testkit::{
     metric, wait_until,
 };
 
-/// Two cache steps (`shared` on v1, `own` on v2) and a probe (v1): what each restores and
-/// whether the probe sees the pull request's save.
+/// Two cache steps (`shared`: @v4 on v1, `own`: @v5 on v2) and a probe (@v4, v1): what each
+/// restores and whether the probe sees the pull request's save.
 const WORKFLOW: &str = r#"name: cache
 on:
   push:
@@ -38,6 +37,8 @@ jobs:
     steps:
       - id: shared
         uses: actions/cache@v4
+        env:
+          ACTIONS_CACHE_SERVICE_V2: ""
         with:
           path: shared
           key: shared-v1
@@ -48,10 +49,9 @@ jobs:
             head -c 3000000 /dev/urandom > shared/deep/blob
           fi
       - id: own
-        uses: actions/cache@v4
+        uses: actions/cache@v5
         env:
           ACTIONS_CACHE_SERVICE_V2: "true"
-          NODE_OPTIONS: --experimental-global-webcrypto
         with:
           path: own
           key: own-${{ github.event_name }}
@@ -60,6 +60,8 @@ jobs:
           mkdir -p own && echo "${{ github.event_name }}" > own/content
       - id: probe
         uses: actions/cache@v4
+        env:
+          ACTIONS_CACHE_SERVICE_V2: ""
         with:
           path: probe
           key: own-pull_request
@@ -116,7 +118,7 @@ async fn actions_cache_restores_across_jobs_scoped_as_github_and_survives_a_rest
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = e2e::cache_action::gitea_with_it(docker.bridge_ip.into()).await;
+    let gitea = e2e::actions::gitea_with_actions(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
     let metrics_port = testkit::free_local_port();
     let dir = e2e::stack::state_dir();
@@ -267,7 +269,7 @@ async fn a_job_cannot_forge_a_credential_read_another_repository_or_overwrite_an
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = e2e::cache_action::gitea_with_it(docker.bridge_ip.into()).await;
+    let gitea = e2e::actions::gitea_with_actions(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);
     options.job_dockerd = false;
@@ -316,7 +318,7 @@ async fn actions_cache_restores_across_jobs_in_pods() {
     let cluster = tokio::task::block_in_place(cluster);
     let image = tokio::task::block_in_place(|| cluster.image("gitea-runner"));
     let namespace = tokio::task::block_in_place(|| cluster.namespace("gdr-e2e-cache"));
-    let gitea = e2e::cache_action::gitea_with_it(Cluster::HOST_IP.into()).await;
+    let gitea = e2e::actions::gitea_with_actions(Cluster::HOST_IP.into()).await;
     let token = gitea.runner_registration_token().await;
     let mut options = Options::new(&gitea.url(), &token, &image, std::path::Path::new("/nonexistent"));
     options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));

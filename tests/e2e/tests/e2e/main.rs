@@ -18,6 +18,7 @@ mod helm;
 mod jobs;
 mod kubernetes;
 mod neighbours;
+mod public_actions;
 mod replicas;
 mod rootless;
 mod run_local;

@@ -53,12 +53,10 @@ jobs:
   build:
     runs-on: [disposable, container, docker]
     steps:
-      - name: checkout
-        env:
-          TOKEN: ${{ secrets.GITHUB_TOKEN }}
-        run: |
-          git clone -q "http://x-access-token:${TOKEN}@${GITHUB_SERVER_URL#http://}/${GITHUB_REPOSITORY}.git" src
-          git -C src checkout -q "$GITHUB_SHA" && echo "checked-out=$(git -C src rev-parse HEAD)"
+      - uses: actions/checkout@v4
+        with:
+          path: src
+      - run: echo "checked-out=$(git -C src rev-parse HEAD)"
       - id: deps
         uses: actions/cache@v4
         with:
@@ -196,7 +194,7 @@ async fn hostile_job_leaves_the_neighbour_unharmed(mode: &str, docker_extra: &st
     let turn = e2e::exclusive().await;
     let docker = host();
     let image = docker.image("gitea-runner");
-    let gitea = e2e::cache_action::gitea_with_it(docker.bridge_ip.into()).await;
+    let gitea = e2e::actions::gitea_with_actions(docker.bridge_ip.into()).await;
     let token = gitea.runner_registration_token().await;
     let metrics_port = testkit::free_local_port();
     let mut options = Options::new(&gitea.url(), &token, &image, &docker.socket);

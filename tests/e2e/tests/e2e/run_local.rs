@@ -345,15 +345,10 @@ jobs:
 "#,
     )
     .unwrap();
-    // actions/cache@v4 (tests/e2e/actions) served offline.
+    // The real actions/cache@v4, served offline.
     let action = tempfile::tempdir().unwrap();
-    std::fs::copy(paths::repository().join("tests/e2e/actions/cache/action.yml"), action.path().join("action.yml")).unwrap();
-    for step in ["restore", "save"] {
-        let to = action.path().join("dist").join(step);
-        std::fs::create_dir_all(&to).unwrap();
-        std::fs::copy(testkit::peers_cache().join("node/cache-action/dist").join(step).join("index.js"), to.join("index.js")).unwrap();
-    }
-    let mapping = format!("actions/cache@v4={}", action.path().display());
+    e2e::actions::unpack("cache", "v4", &action.path().join("cache"));
+    let mapping = format!("actions/cache@v4={}", action.path().join("cache").display());
     let cache = tempfile::tempdir().unwrap();
     let run = |extra: &[&str]| {
         let mut command = run_local(&workflow, &image);
@@ -498,8 +493,8 @@ jobs:
 
 /// Workflows written by others for GitHub, as published (tests/e2e/workflows/public, each
 /// with a SOURCE.md naming its repository, path and commit), run the way act runs them:
-/// `runs-on: ubuntu-latest` on this host, `actions/checkout@v4` served offline
-/// (tests/e2e/actions/checkout), the clone's `origin` the workflow's own repository.
+/// `runs-on: ubuntu-latest` on this host, the real `actions/checkout@v4` served offline
+/// (`e2e::actions`), the clone's `origin` the workflow's own repository.
 /// Each one's result, jobs and printed lines are asserted; the lint one also fails on a
 /// file it must refuse.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -556,7 +551,9 @@ async fn real_public_workflows_give_the_results_they_give_on_github() {
     ];
     let _turn = e2e::exclusive().await;
     let image = host().image("gitea-runner");
-    let checkout = format!("actions/checkout@v4={}", paths::repository().join("tests/e2e/actions/checkout").display());
+    let actions = tempfile::tempdir().unwrap();
+    e2e::actions::unpack("checkout", "v4", &actions.path().join("checkout"));
+    let checkout = format!("actions/checkout@v4={}", actions.path().join("checkout").display());
     let run = |root: &std::path::Path, case: &Case| {
         let mut command = run_local(&root.join(case.workflow), &image);
         command.args(["--action", &checkout, "--parallel", "3"]);
