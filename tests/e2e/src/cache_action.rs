@@ -1,5 +1,5 @@
 //! actions/cache@v4 for the tests: its steps over the real `@actions/cache` client,
-//! bundled by scripts/install-node-peers, mirrored into a test Gitea as `actions/cache`.
+//! bundled by scripts/install node-peers, mirrored into a test Gitea as `actions/cache`.
 
 use testkit::gitea::{Gitea, GiteaOptions};
 
@@ -13,7 +13,7 @@ pub async fn gitea_with_it(bind: std::net::IpAddr) -> Gitea {
     gitea.commit_file(&action, "main", "action.yml", &std::fs::read(source.join("action.yml")).unwrap()).await;
     for step in ["restore", "save"] {
         let bundle = std::fs::read(dist.join(step).join("index.js"))
-            .unwrap_or_else(|e| panic!("{}: {e}: run scripts/install-test-peers (install-node-peers builds it)", dist.display()));
+            .unwrap_or_else(|e| panic!("{}: {e}: run scripts/install test-peers (scripts/install node-peers builds it)", dist.display()));
         gitea.commit_file(&action, "main", &format!("dist/{step}/index.js"), &bundle).await;
     }
     gitea.create_tag(&action, "v4").await;
