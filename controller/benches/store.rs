@@ -1,4 +1,4 @@
-//! Store benchmark (run by `scripts/bench-store`): for each backend, persist 1,000
+//! Store benchmark (run by `scripts/bench store`): for each backend, persist 1,000
 //! assignments with ~4 KiB envelopes one after another (throughput, p50/p99 latency of
 //! `persist`), then 1,000 more with 16 persists in flight, then consume and acknowledge
 //! all of one placement's queue. Prints figures; asserts nothing about timing.

@@ -1,5 +1,5 @@
 //! The cost of one reconciler sweep's store read against the history a controller has
-//! accumulated (run by `scripts/bench-sweep`): for each backend, 20 live assignments,
+//! accumulated (run by `scripts/bench sweep`): for each backend, 20 live assignments,
 //! then `BENCH_HISTORY` (default 100,000) finished ones written through the store as the
 //! lifecycle writes them (persist, then terminal — secrets removed, moved to the finished
 //! records). Measured with and without that history, in the same run:

@@ -7,7 +7,7 @@ use controller::{
     telemetry,
 };
 
-/// The revision comes from scripts/build-static (GDR_REVISION): only this file reads
+/// The revision comes from scripts/build static (GDR_REVISION): only this file reads
 /// it, so a new commit rebuilds this binary's main and nothing else.
 const BUILD: Build = Build {
     version: env!("CARGO_PKG_VERSION"),

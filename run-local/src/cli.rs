@@ -75,7 +75,7 @@ pub struct RunLocalArgs {
     /// labels runs in a local environment.
     #[arg(long = "platform", value_name = "LABEL", default_values_t = ["ubuntu-latest", "ubuntu-24.04", "ubuntu-22.04", "ubuntu-20.04"].map(String::from))]
     pub platforms: Vec<String>,
-    /// The runner image (scripts/build-image tags it gitea-dynamic-runner/runner:latest).
+    /// The runner image (scripts/build image tags it gitea-dynamic-runner/runner:latest).
     #[arg(long, env = "GDR_RUNNER_IMAGE", default_value = "gitea-dynamic-runner/runner:latest")]
     pub image: String,
     /// The Docker API socket of the host that runs the environments.

@@ -23,7 +23,7 @@ beside_repository() {
 }
 export PEERS_CACHE=${PEERS_CACHE:-$HOME/.cache/gitea-dynamic-runner/peers}
 # Where rustup puts cargo when no login shell has sourced its env file (a fresh machine
-# right after scripts/install-job-deps installed it, or a CI step).
+# right after scripts/install job-deps installed it, or a CI step).
 if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH=$HOME/.cargo/bin:$PATH
 fi

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Shared by scripts/install-job-deps and scripts/install-test-peers (sourced after
+# Shared by scripts/install job-deps and scripts/install test-peers (sourced after
 # lib/common.sh): pinned Debian packages and the peers built from pinned upstream sources.
 
 # install_debs NAME=VERSION…: installs what is missing or at another version, then prints

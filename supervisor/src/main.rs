@@ -12,7 +12,7 @@ use supervisor::{
     tools::{self, docker_shim, doctor, job_started},
 };
 
-/// The revision comes from scripts/build-static (GDR_REVISION): only this file reads it,
+/// The revision comes from scripts/build static (GDR_REVISION): only this file reads it,
 /// so a new commit rebuilds this binary's main and no library.
 const REVISION: &str = match option_env!("GDR_REVISION") {
     Some(revision) => revision,

@@ -6,7 +6,7 @@
 //! - our client → their server (`tests/conformance/server.mjs`);
 //! - their client (`tests/conformance/client.mjs`) → our server.
 //!
-//! The Node packages come from `scripts/install-test-peers`; when they are missing
+//! The Node packages come from `scripts/install test-peers`; when they are missing
 //! the tests fail and say so.
 
 #![allow(clippy::unwrap_used)]
@@ -45,7 +45,7 @@ fn generated() -> &'static Path {
         let dir = conformance_dir();
         assert!(
             dir.join("node_modules/@connectrpc/connect-node").exists(),
-            "the Node conformance peer is not installed at {}: run scripts/install-test-peers",
+            "the Node conformance peer is not installed at {}: run scripts/install test-peers",
             dir.join("node_modules").display()
         );
         let out = dir.join("gen");
@@ -214,7 +214,7 @@ async fn our_client_against_connect_node_server() {
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
         .spawn()
-        .expect("cannot start node: run scripts/install-test-peers");
+        .expect("cannot start node: run scripts/install test-peers");
     let mut lines = BufReader::new(server.stdout.take().unwrap()).lines();
     let port = tokio::time::timeout(Duration::from_secs(30), async {
         while let Some(line) = lines.next_line().await.unwrap() {
@@ -259,7 +259,7 @@ async fn connect_node_client_against_our_server() {
             .kill_on_drop(true)
             .output()
             .await
-            .expect("cannot start node: run scripts/install-test-peers");
+            .expect("cannot start node: run scripts/install test-peers");
         let stdout = String::from_utf8_lossy(&output.stdout);
         for line in stdout.lines() {
             report(&format!("{line} — connect-node client → Rust server"));

@@ -15,7 +15,7 @@ pub fn import_image(docker: &Dockerd, name: &str) {
     let dir = tempfile::tempdir().unwrap();
     let rootfs = dir.path().join("rootfs");
     std::fs::create_dir_all(rootfs.join("bin")).unwrap();
-    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("busybox-static is not installed: run scripts/install-test-peers");
+    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("busybox-static is not installed: run scripts/install test-peers");
     // `tail` too: opensandbox-server keeps its execd image's container alive with it.
     for applet in ["sh", "sleep", "tail"] {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();

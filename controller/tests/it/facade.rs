@@ -501,7 +501,7 @@ async fn two_facades_racing_for_one_claim_give_it_to_exactly_one_holder() {
 /// answer must be a gRPC status with a known code (or, for what is not gRPC, the HTTP/2
 /// layer's reset or close); nothing hangs, nothing panics, memory stays bounded, and the
 /// facade still serves its holder afterwards. Prints inputs tried and outcomes by class.
-/// `GDR_FUZZ_REQUESTS` (default 20,000 here; `scripts/fuzz` runs 1,000,000) and
+/// `GDR_FUZZ_REQUESTS` (default 20,000 here; `scripts/check fuzz` runs 1,000,000) and
 /// `GDR_FUZZ_SEED` (default: the clock, printed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generated_requests_get_grpc_statuses() {

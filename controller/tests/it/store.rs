@@ -620,7 +620,7 @@ async fn a_nats_server_with_a_token_is_reached_with_the_token_file() {
 
 /// The live bucket's stream keeps no trace of finished records: a KV delete leaves a
 /// marker per key, and the subjects a sweep reads grew with every record ever finished
-/// (13 s per sweep at 100k finished, scripts/bench-sweep). A marker left by an earlier
+/// (13 s per sweep at 100k finished, scripts/bench sweep). A marker left by an earlier
 /// version (or a move cut short) is purged by the next list.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finished_records_leave_no_marker_in_the_live_stream() {

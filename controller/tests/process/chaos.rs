@@ -20,7 +20,7 @@
 //! end no environment is left and every pool is back to zero. A table is printed.
 //!
 //! `GDR_CHAOS_ITERATIONS` (default 20) and `GDR_CHAOS_SEED` (default: the clock; printed,
-//! so a failing run can be repeated). `scripts/chaos N` runs the long mode.
+//! so a failing run can be repeated). `scripts/check chaos N` runs the long mode.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashSet},

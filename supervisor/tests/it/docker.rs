@@ -15,7 +15,7 @@ use crate::common::*;
 fn busybox_tarball(dir: &Path) -> std::path::PathBuf {
     let rootfs = dir.join("rootfs");
     fs::create_dir_all(rootfs.join("bin")).unwrap();
-    fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("busybox-static is not installed: run scripts/install-test-peers");
+    fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("busybox-static is not installed: run scripts/install test-peers");
     // Relative links: `busybox --install -s` would point at this host path.
     let applets = Command::new("/bin/busybox").arg("--list").output().unwrap();
     for applet in String::from_utf8(applets.stdout).unwrap().lines().filter(|a| *a != "busybox") {

@@ -209,7 +209,7 @@ fn both_runner_generations_pass_with_the_image_config() {
 /// `doctor --image` against this host with the repository's config and the real runner:
 /// a package list naming a tool that is not here fails by that tool's name and says which
 /// package to install, one that is here passes, a binary that is not a runner fails, and
-/// the other checks keep running. (scripts/build-image runs it in the real image.)
+/// the other checks keep running. (scripts/build image runs it in the real image.)
 #[test]
 fn the_image_mode_names_the_missing_package_and_keeps_going() {
     let dir = scratch();

@@ -7,7 +7,7 @@
 //! HTTP at all, the HTTP layer's own 4xx; memory stays bounded. Prints inputs tried and
 //! outcomes by class.
 //!
-//! `GDR_FUZZ_REQUESTS` (default 100,000 here; `scripts/fuzz` runs 1,000,000 in an optimised
+//! `GDR_FUZZ_REQUESTS` (default 100,000 here; `scripts/check fuzz` runs 1,000,000 in an optimised
 //! build) and `GDR_FUZZ_SEED` (default: the clock, printed).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -1,5 +1,5 @@
 //! The identity wait against the real SPIRE server and agent (built by
-//! scripts/install-test-peers): join-token node attestation, the unix workload
+//! scripts/install test-peers): join-token node attestation, the unix workload
 //! attestor, and the registration entry (`unix:uid:2000`) created only after the
 //! supervisor started waiting. The job must start once the entry reaches the agent.
 

@@ -22,7 +22,7 @@ const MIB: u64 = 1024 * 1024;
 
 /// The lock, or `None` (test skipped) when this machine cannot run it.
 /// Serialises the tests (loop devices are host-global) and fails loudly when the
-/// machine cannot run them: CI runs as root with e2fsprogs from install-test-peers.
+/// machine cannot run them: CI runs as root with e2fsprogs from scripts/install test-peers.
 fn privileged() -> MutexGuard<'static, ()> {
     let lock = loop_devices();
     let root = nix::unistd::geteuid().is_root();
@@ -30,7 +30,7 @@ fn privileged() -> MutexGuard<'static, ()> {
     let mkfs = Command::new("mkfs.ext4").arg("-V").output().is_ok();
     assert!(
         root && control && mkfs,
-        "storage tests need root, /dev/loop-control and mkfs.ext4 (run scripts/install-test-peers as root): \
+        "storage tests need root, /dev/loop-control and mkfs.ext4 (run scripts/install test-peers as root): \
          root={root} /dev/loop-control={control} mkfs.ext4={mkfs}"
     );
     lock

@@ -55,7 +55,7 @@ impl Cluster {
     fn start() -> Cluster {
         let scripts = scripts();
         let top = testkit::peers_cache().join("kubernetes");
-        assert!(top.join("bin/kube-apiserver").exists(), "{} has no Kubernetes build: run scripts/install-test-peers", top.display());
+        assert!(top.join("bin/kube-apiserver").exists(), "{} has no Kubernetes build: run scripts/install test-peers", top.display());
         let started = Instant::now();
         let output = Command::new(scripts.join("up.sh")).env("PEERS_CACHE", top.parent().unwrap()).stdin(Stdio::null()).output().unwrap();
         assert!(output.status.success(), "up.sh failed:\n{}\n{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));

@@ -1,5 +1,5 @@
-//! Where the binaries and images the tests need are: built by `scripts/build-static`,
-//! `scripts/install-test-peers` and `scripts/build-image` (which `scripts/test` runs
+//! Where the binaries and images the tests need are: built by `scripts/build static`,
+//! `scripts/install test-peers` and `scripts/build image` (which `scripts/test` runs
 //! first). A missing one panics with the command that makes it.
 
 use std::{
@@ -17,19 +17,19 @@ pub fn runner(name: &str) -> PathBuf {
     testkit::peer(name)
 }
 
-/// The static supervisor the image carries (`scripts/build-static`).
+/// The static supervisor the image carries (`scripts/build static`).
 pub fn supervisor() -> PathBuf {
     let path = std::env::var_os("SUPERVISOR_BIN").map_or_else(|| repository().join("target/x86_64-unknown-linux-musl/release/supervisor"), PathBuf::from);
-    assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
+    assert!(path.exists(), "{} is missing: run scripts/build static", path.display());
     path
 }
 
-/// The static musl controller of `scripts/build-static` (what the controller image uses).
+/// The static musl controller of `scripts/build static` (what the controller image uses).
 pub fn static_controller() -> PathBuf {
     static_binary("controller")
 }
 
-/// The static musl run-local of `scripts/build-static` (what `scripts/run-local` and the
+/// The static musl run-local of `scripts/build static` (what `scripts/run-local` and the
 /// controller image use).
 pub fn static_run_local() -> PathBuf {
     static_binary("run-local")
@@ -37,31 +37,31 @@ pub fn static_run_local() -> PathBuf {
 
 fn static_binary(name: &str) -> PathBuf {
     let path = repository().join("target/x86_64-unknown-linux-musl/release").join(name);
-    assert!(path.exists(), "{} is missing: run scripts/build-static", path.display());
+    assert!(path.exists(), "{} is missing: run scripts/build static", path.display());
     path
 }
 
 /// Names a `docker save` tar of a runner image built elsewhere — a published one
-/// (`scripts/smoke-image`): the tests that ask for the gitea-runner variant then run
+/// (`scripts/check smoke-image`): the tests that ask for the gitea-runner variant then run
 /// exactly that image instead of building one.
 pub const RUNNER_IMAGE_TAR_ENV: &str = "GDR_RUNNER_IMAGE_TAR";
 
 /// The runner image of `variant` (`gitea-runner` or `act_runner`): its tag and the
-/// `docker save` tar, from `scripts/build-image` (cached by content, so this is quick
+/// `docker save` tar, from `scripts/build image` (cached by content, so this is quick
 /// when nothing changed), or the one [`RUNNER_IMAGE_TAR_ENV`] names.
 pub fn image(variant: &str) -> (String, PathBuf) {
     if let Some(tar) = std::env::var_os(RUNNER_IMAGE_TAR_ENV).filter(|_| variant == "gitea-runner") {
         return saved_image(PathBuf::from(tar));
     }
-    let output = Command::new(repository().join("scripts/build-image"))
-        .args(["--variant", variant])
+    let output = Command::new(repository().join("scripts/build"))
+        .args(["image", "--variant", variant])
         .env("SUPERVISOR_BIN", supervisor())
         .env_remove("DOCKER_HOST")
         .output()
-        .expect("scripts/build-image cannot run");
+        .expect("scripts/build image cannot run");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "scripts/build-image --variant {variant} failed:\n{}\n{}", stdout, String::from_utf8_lossy(&output.stderr));
-    let line = stdout.lines().rev().find(|l| l.starts_with("image ")).expect("scripts/build-image printed no `image` line");
+    assert!(output.status.success(), "scripts/build image --variant {variant} failed:\n{}\n{}", stdout, String::from_utf8_lossy(&output.stderr));
+    let line = stdout.lines().rev().find(|l| l.starts_with("image ")).expect("scripts/build image printed no `image` line");
     let mut words = line.split_whitespace().skip(1);
     let tag = words.next().unwrap().to_owned();
     let tar = PathBuf::from(words.next().unwrap());
@@ -101,7 +101,7 @@ pub fn controller() -> PathBuf {
     path
 }
 
-/// The controller image of `scripts/build-controller-image` from the static controller:
+/// The controller image of `scripts/build controller-image` from the static controller:
 /// its tag and archive. `cache`: where the script keeps its output (default: the peers'
 /// cache).
 pub fn controller_image(cache: Option<&std::path::Path>) -> (String, PathBuf) {
@@ -111,7 +111,8 @@ pub fn controller_image(cache: Option<&std::path::Path>) -> (String, PathBuf) {
 /// As [`controller_image`], and with `context` also the `docker build` context the script
 /// lays out there (`--context`).
 pub fn controller_image_with(cache: Option<&std::path::Path>, context: Option<&std::path::Path>) -> (String, PathBuf) {
-    let mut command = Command::new(repository().join("scripts/build-controller-image"));
+    let mut command = Command::new(repository().join("scripts/build"));
+    command.arg("controller-image");
     if let Some(context) = context {
         command.arg("--context").arg(context);
     }
@@ -119,9 +120,9 @@ pub fn controller_image_with(cache: Option<&std::path::Path>, context: Option<&s
     if let Some(cache) = cache {
         command.env("PEERS_CACHE", cache);
     }
-    let output = command.output().expect("scripts/build-controller-image cannot run");
+    let output = command.output().expect("scripts/build controller-image cannot run");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "scripts/build-controller-image failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "scripts/build controller-image failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
     let line = stdout.lines().rev().find(|l| l.starts_with("image ")).expect("no `image` line");
     let mut words = line.split_whitespace().skip(1);
     (words.next().unwrap().to_owned(), PathBuf::from(words.next().unwrap()))

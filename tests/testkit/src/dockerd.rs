@@ -60,7 +60,7 @@ impl Dockerd {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("dockerd.log")).unwrap())
             .spawn()
-            .expect("dockerd is not installed: run scripts/install-test-peers");
+            .expect("dockerd is not installed: run scripts/install test-peers");
         let dockerd = Dockerd { socket, dir, pid: child.id(), child: Mutex::new(Some(child)) };
         crate::poll_blocking(Duration::from_secs(60), || if dockerd.ping() { Ok(()) } else { Err(()) })
             .unwrap_or_else(|()| panic!("dockerd ({network:?}) did not answer within 60 s:\n{}", dockerd.log_tail(40)));
@@ -92,7 +92,7 @@ impl Dockerd {
 
     /// Runs the docker CLI against this daemon.
     pub fn docker(&self, args: &[&str]) -> Output {
-        self.cli().args(args).output().expect("the docker CLI is missing: run scripts/install-test-peers")
+        self.cli().args(args).output().expect("the docker CLI is missing: run scripts/install test-peers")
     }
 
     /// Names of the containers (running or not) with `label`.

@@ -4,8 +4,8 @@
 //! `scripts/test` runs the real-Gitea tests a second time); where their routes differ
 //! the fixture speaks each one's (see "Gitea 1.27.3" below), so tests read the same.
 //!
-//! The binary is built from unmodified upstream sources by `scripts/install-test-peers` (the pinned test-peer builder)
-//! (called by `scripts/install-test-peers`): `$GITEA_BIN`, else `$PEERS_CACHE/bin/gitea`
+//! The binary is built from unmodified upstream sources by `scripts/install test-peers` (the pinned test-peer builder)
+//! (called by `scripts/install test-peers`): `$GITEA_BIN`, else `$PEERS_CACHE/bin/gitea`
 //! (`PEERS_CACHE` defaults to `~/.cache/gitea-dynamic-runner/peers`). It has no embedded
 //! assets, so `[server] STATIC_ROOT_PATH` points at (a symlinked view of) the unpacked
 //! source tree `$PEERS_CACHE/build/gitea-v1.23.8` (override: `$GITEA_STATIC_ROOT`). A
@@ -123,8 +123,8 @@ fn peer_binary(env: &str, name: &str) -> PathBuf {
     let path = std::env::var_os(env).map_or_else(|| peers_cache().join("bin").join(name), PathBuf::from);
     assert!(
         path.is_file(),
-        "{name} test peer not found at {}: run scripts/install-test-peers (it builds the real {name} from \
-         source into $PEERS_CACHE/bin via scripts/install-test-peers), or set {env}",
+        "{name} test peer not found at {}: run scripts/install test-peers (it builds the real {name} from \
+         source into $PEERS_CACHE/bin via scripts/install test-peers), or set {env}",
         path.display()
     );
     path
@@ -147,7 +147,7 @@ pub fn gitea_static_root() -> PathBuf {
         .map_or_else(|| peers_cache().join("build").join(format!("gitea-v{}", GiteaVersion::from_env().release())), PathBuf::from);
     assert!(
         path.join("options/locale").is_dir() && path.join("templates").is_dir(),
-        "Gitea's source tree (templates, locales) not found at {}: run scripts/install-test-peers \
+        "Gitea's source tree (templates, locales) not found at {}: run scripts/install test-peers \
          (which unpacks it there), or set GITEA_STATIC_ROOT",
         path.display()
     );
@@ -375,7 +375,7 @@ impl Gitea {
             .map_or_else(|| peers_cache().join("build").join(format!("gitea-v{}", options.version.release())), PathBuf::from);
         assert!(
             static_root.join("options/locale").is_dir() && static_root.join("templates").is_dir(),
-            "Gitea's source tree (templates, locales) not found at {}: run scripts/install-test-peers (which unpacks it there), or set \
+            "Gitea's source tree (templates, locales) not found at {}: run scripts/install test-peers (which unpacks it there), or set \
              GITEA_STATIC_ROOT",
             static_root.display()
         );

@@ -7,7 +7,7 @@
 //! - [`nats`]: a real nats-server with JetStream.
 //! - [`controller_config`]: the controller's TOML for a test, from a builder.
 //! - [`dockerd`]: a real dockerd, private (own network namespace) or on a bridge.
-//! - [`gitea`]: a REAL Gitea server, 1.23.8 or 1.27.3 (built from pinned upstream sources by scripts/install-test-peers).
+//! - [`gitea`]: a REAL Gitea server, 1.23.8 or 1.27.3 (built from pinned upstream sources by scripts/install test-peers).
 //! - [`opensandbox`]: a REAL opensandbox-server (PyPI) with its Docker runtime.
 //! - [`spire`]: a REAL SPIRE server and agent.
 //! - [`process`]: a controller process of the real binary, stopped and started again.
@@ -135,7 +135,7 @@ pub fn free_local_port() -> u16 {
     free_port(std::net::Ipv4Addr::LOCALHOST.into())
 }
 
-/// Where `scripts/install-test-peers` keeps the peers: `$PEERS_CACHE`, default
+/// Where `scripts/install test-peers` keeps the peers: `$PEERS_CACHE`, default
 /// `~/.cache/gitea-dynamic-runner/peers`.
 pub fn peers_cache() -> PathBuf {
     std::env::var_os("PEERS_CACHE")
@@ -146,7 +146,7 @@ pub fn peers_cache() -> PathBuf {
 /// (a missing peer fails the test, it never skips it).
 pub fn peer(name: &str) -> PathBuf {
     let path = peers_cache().join("bin").join(name);
-    assert!(path.exists(), "{} is missing: run scripts/install-test-peers", path.display());
+    assert!(path.exists(), "{} is missing: run scripts/install test-peers", path.display());
     path
 }
 

@@ -2,7 +2,7 @@
 //! [`NatsServer::start`], on random ports, with its store in a temporary directory, killed
 //! when dropped.
 //!
-//! The binary comes from `scripts/install-test-peers` (`$PEERS_CACHE/bin/nats-server`,
+//! The binary comes from `scripts/install test-peers` (`$PEERS_CACHE/bin/nats-server`,
 //! default `~/.cache/gitea-dynamic-runner/peers/bin/nats-server`). Without it the caller
 //! panics with a message saying so: a missing peer fails the run, it never skips.
 
@@ -28,7 +28,7 @@ pub struct NatsServer {
     pub monitoring: String,
 }
 
-/// Where `scripts/install-test-peers` puts the binary.
+/// Where `scripts/install test-peers` puts the binary.
 pub fn binary() -> PathBuf {
     crate::peers_cache().join("bin/nats-server")
 }
@@ -45,7 +45,7 @@ impl NatsServer {
         let bin = binary();
         assert!(
             bin.is_file(),
-            "nats-server not found at {}: run scripts/install-test-peers (it installs the NATS test peer under $PEERS_CACHE)",
+            "nats-server not found at {}: run scripts/install test-peers (it installs the NATS test peer under $PEERS_CACHE)",
             bin.display()
         );
         let dir = tempfile::tempdir().expect("temporary directory for nats-server");
@@ -166,7 +166,7 @@ impl NatsCluster {
     /// Starts `size` nodes (3 for R3 streams) and waits until every one is healthy.
     pub fn start(size: usize) -> Self {
         let bin = binary();
-        assert!(bin.is_file(), "nats-server not found at {}: run scripts/install-test-peers", bin.display());
+        assert!(bin.is_file(), "nats-server not found at {}: run scripts/install test-peers", bin.display());
         let dir = tempfile::tempdir().expect("temporary directory for the cluster");
         let routes: Vec<u16> = (0..size).map(|_| crate::free_local_port()).collect();
         let route_list = routes.iter().map(|p| format!("nats://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");

@@ -1,5 +1,5 @@
 //! A REAL opensandbox-server (PyPI `opensandbox-server`, installed by
-//! `scripts/install-test-peers` as `$PEERS_CACHE/bin/opensandbox-server`) with its Docker
+//! `scripts/install test-peers` as `$PEERS_CACHE/bin/opensandbox-server`) with its Docker
 //! runtime on a dockerd the test names: its own port, API key file and SQLite store in a
 //! temporary directory, killed when dropped.
 //!
@@ -43,7 +43,7 @@ fn docker(docker_host: &str, args: &[&str]) -> std::process::Output {
         .env("DOCKER_BUILDKIT", "0")
         .stdin(Stdio::null())
         .output()
-        .expect("the docker CLI is missing: run scripts/install-test-peers")
+        .expect("the docker CLI is missing: run scripts/install test-peers")
 }
 
 /// Builds [`EXECD_IMAGE`] from `base` (which must have `sh` and `sleep`) unless the

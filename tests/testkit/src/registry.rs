@@ -1,6 +1,6 @@
 //! A REAL OCI registry, the job dockerds' registry mirror in the rootless-Docker tests:
 //! go-containerregistry's `registry` (in memory; from the Go module proxy by
-//! scripts/install-test-peers). It listens on 127.0.0.1 only, so a plain TCP forwarder
+//! scripts/install test-peers). It listens on 127.0.0.1 only, so a plain TCP forwarder
 //! offers it on every address, where environments reach it on the host's bridge address.
 //! The registry stops when dropped; the forwarder with the test binary.
 
@@ -28,7 +28,7 @@ impl Registry {
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
-            .unwrap_or_else(|e| panic!("{} cannot start: {e}: run scripts/install-test-peers", binary.display()));
+            .unwrap_or_else(|e| panic!("{} cannot start: {e}: run scripts/install test-peers", binary.display()));
         crate::wait_until_blocking("the registry answers", Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
         Registry { _process: crate::KillOnDrop(child), dir, port: forward_everywhere(port) }
     }

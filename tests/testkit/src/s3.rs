@@ -1,5 +1,5 @@
 //! A REAL S3-compatible server for the cache's S3 backend: versitygw (Versity's
-//! production S3 gateway, from the Go module proxy by scripts/install-test-peers) serving a
+//! production S3 gateway, from the Go module proxy by scripts/install test-peers) serving a
 //! directory of its own on a free port of 127.0.0.1, with static credentials and one
 //! bucket; stopped when dropped.
 
@@ -37,7 +37,7 @@ impl S3Server {
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
-            .unwrap_or_else(|e| panic!("{} cannot start: {e}: run scripts/install-test-peers", binary.display()));
+            .unwrap_or_else(|e| panic!("{} cannot start: {e}: run scripts/install test-peers", binary.display()));
         let server = S3Server { _process: crate::KillOnDrop(child), dir, endpoint: format!("http://127.0.0.1:{port}"), bucket: bucket.to_owned() };
         crate::wait_until_blocking("versitygw answers", Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
         server

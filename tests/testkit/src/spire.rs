@@ -1,4 +1,4 @@
-//! A REAL SPIRE server and agent (built from pinned sources by `scripts/install-test-peers`
+//! A REAL SPIRE server and agent (built from pinned sources by `scripts/install test-peers`
 //! as `$PEERS_CACHE/bin/spire-server` and `spire-agent`): SQLite datastore, join-token
 //! node attestation, the unix workload attestor, short sync intervals; each in its own
 //! temporary directory, killed when dropped.

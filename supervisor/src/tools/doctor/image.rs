@@ -123,7 +123,7 @@ const NODE_MAJOR_AT_LEAST: u32 = 20;
 /// The `node` on PATH, which gitea-runner runs JavaScript actions with.
 fn node() -> Outcome {
     const ID: &str = "node";
-    let hint = "the image carries Node.js 24 as /usr/local/bin/node (scripts/build-image); a derived image must keep a node on PATH";
+    let hint = "the image carries Node.js 24 as /usr/local/bin/node (scripts/build image); a derived image must keep a node on PATH";
     let Some(binary) = super::checks::which(Path::new("node")) else {
         return Outcome::fail(ID, "node is not on PATH: no JavaScript action (`uses:` of a node20/node24 action) can run", hint);
     };

@@ -20,7 +20,7 @@
 //! documented window between FetchTask's reply and the persist (a SIGKILL can fall there)
 //! are listed, not hidden. A table is printed.
 //!
-//! `GDR_CAMPAIGN_ITERATIONS` (default 4; `scripts/chaos` runs 100) and `GDR_CAMPAIGN_SEED`
+//! `GDR_CAMPAIGN_ITERATIONS` (default 4; `scripts/check chaos` runs 100) and `GDR_CAMPAIGN_SEED`
 //! (default: the clock; printed so a failing run can be repeated).
 
 use std::{

@@ -1,4 +1,4 @@
-//! The controller image as an operator gets it: the tar of `scripts/build-controller-image`
+//! The controller image as an operator gets it: the tar of `scripts/build controller-image`
 //! loads into a real dockerd, holds the static controller, run-local (the release's smoke
 //! test runs a workflow with it), CA certificates and the user table and nothing else (no shell for a job or an intruder to use), runs as its non-root
 //! user, carries its OCI labels, and says which file it could not read when started

@@ -8,7 +8,7 @@
 //! and the job's exit code comes out through the serial console.
 //!
 //! Peers: `qemu-system-x86_64` and the unpacked kernel with its modules under
-//! `$PEERS_CACHE/guest/current` (scripts/install-test-peers). Timing is not a target here:
+//! `$PEERS_CACHE/guest/current` (scripts/install test-peers). Timing is not a target here:
 //! under TCG dockerd alone takes tens of seconds.
 
 use std::{
@@ -112,7 +112,7 @@ fn the_supervisor_runs_a_job_in_a_cgroup_v2_vm_guest() {
     // Emulated, the guest needs both cores to itself.
     let _turn = e2e::exclusive_blocking();
     let guest = testkit::peers_cache().join("guest/current");
-    assert!(guest.join("vmlinuz").exists(), "{} has no kernel: run scripts/install-test-peers", guest.display());
+    assert!(guest.join("vmlinuz").exists(), "{} has no kernel: run scripts/install test-peers", guest.display());
     let dir = tempfile::Builder::new().prefix("gdr-guest-").tempdir_in("/var/tmp").unwrap();
     let d = dir.path();
 

@@ -1,7 +1,7 @@
 //! The production topology on Kubernetes, as an operator installs it: the chart
 //! (`charts/gitea-dynamic-runner`) installed with the real `helm` into the real cluster of
 //! the tests, the controller running as a Pod from the controller image
-//! (`scripts/build-controller-image`) with its in-cluster ServiceAccount and no
+//! (`scripts/build controller-image`) with its in-cluster ServiceAccount and no
 //! kubeconfig, the embedded store on the chart's PersistentVolumeClaim, SPIRE giving the
 //! controller and every job Pod their SVIDs (one entry per Pod, made by the controller),
 //! and the real Gitea 1.23.8 on the host. Job Pods reach the facade over mTLS.
@@ -40,7 +40,7 @@ const STATE_SIZE: &str = "2Gi";
 const CACHE_SIZE: &str = "2Gi";
 
 fn helm(kubeconfig: &Path, args: &[&str]) -> Output {
-    Command::new("helm").env("KUBECONFIG", kubeconfig).args(args).stdin(Stdio::null()).output().expect("helm cannot run: run scripts/install-test-peers")
+    Command::new("helm").env("KUBECONFIG", kubeconfig).args(args).stdin(Stdio::null()).output().expect("helm cannot run: run scripts/install test-peers")
 }
 
 fn helm_ok(kubeconfig: &Path, args: &[&str]) -> String {

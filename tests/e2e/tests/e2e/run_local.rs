@@ -5,7 +5,7 @@
 //! secrets, vars and env, checking out the local repository (served by run-local) and
 //! using a local and a mapped action; Ctrl-C cancels the job (exit 130) and removes its
 //! environment; a step runs a command as root in its own environment
-//! (`scripts/as-environment-root`, as the release workflow does).
+//! (`scripts/lib/ci/as-environment-root`, as the release workflow does).
 
 use std::{
     process::Stdio,
@@ -262,7 +262,7 @@ jobs:
     testkit::wait_until("run-local's environments are gone", Duration::from_secs(30), || local_environments().is_empty()).await;
 }
 
-/// `scripts/as-environment-root`, as the release workflow's build steps use it: from a step
+/// `scripts/lib/ci/as-environment-root`, as the release workflow's build steps use it: from a step
 /// (uid 2000) in a real environment with a job-local dockerd, the command runs as root in
 /// that environment itself — its PID 1 is the supervisor, the step's directory and exported
 /// variables came along, what it writes the step sees, what it left in the workspace is the
@@ -272,7 +272,7 @@ async fn a_step_runs_a_command_as_root_in_its_own_environment_through_the_job_do
     let _turn = e2e::exclusive().await;
     let image = host().image("gitea-runner");
     let dir = tempfile::tempdir().unwrap();
-    for script in ["scripts/as-environment-root", "scripts/lib/common.sh"] {
+    for script in ["scripts/lib/ci/as-environment-root", "scripts/lib/common.sh"] {
         let to = dir.path().join(script);
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
         std::fs::copy(paths::repository().join(script), &to).unwrap();
@@ -290,10 +290,10 @@ jobs:
       - run: |
           echo "step uid $(id -u)"
           export FROM_STEP="kept 'quoted' value"
-          scripts/as-environment-root bash -c 'echo "root uid $(id -u) pid1 $(cat /proc/1/comm) in $PWD from-step $FROM_STEP"; touch /etc/written-by-root; mkdir -p out; touch out/built'
+          scripts/lib/ci/as-environment-root bash -c 'echo "root uid $(id -u) pid1 $(cat /proc/1/comm) in $PWD from-step $FROM_STEP"; touch /etc/written-by-root; mkdir -p out; touch out/built'
           [ -e /etc/written-by-root ] && echo "the step sees what root wrote"
           echo "the workspace's new files are uid $(stat -c %u out out/built | sort -u)"
-          status=0; scripts/as-environment-root sh -c 'exit 7' || status=$?
+          status=0; scripts/lib/ci/as-environment-root sh -c 'exit 7' || status=$?
           echo "exit code $status"
           echo "workspace $PWD"
 "#,
