@@ -9,7 +9,7 @@ use std::{
 
 use object_store::{ObjectStore, aws::AmazonS3Builder, local::LocalFileSystem, prefix::PrefixStore};
 
-use crate::CacheError;
+use crate::error::CacheError;
 
 /// An S3-compatible bucket, with the credentials already read from their files.
 #[derive(Clone)]

@@ -14,14 +14,15 @@ use http_body_util::{BodyExt as _, StreamBody};
 use object_store::{GetOptions, GetRange, GetResultPayload, ObjectStore};
 
 use crate::{
-    BoxError, CacheError, CacheMetrics, Response,
-    http::{IDLE, empty},
+    error::CacheError,
+    http::{BoxError, IDLE, Response, empty},
+    metrics::CacheMetrics,
     store::{Object, part_offset},
 };
 
 /// How much of an archive's file is read at once: small enough that the downloads a job
-/// may leave unread ([`crate::service::MAX_REQUESTS_PER_JOB`]) hold little, large enough that a
-/// download streams at several GB/s (`scripts/bench cache --throughput`).
+/// may leave unread (as many as it may have requests in progress) hold little, large
+/// enough that a download streams at several GB/s (`scripts/bench cache --throughput`).
 const READ_PIECE: usize = 1 << 20;
 
 /// The answer to a download of the archive made of `parts` (in order), all of it or the

@@ -1,13 +1,15 @@
 //! The HTTP plumbing the two APIs share: the response body type, JSON answers, reading a
-//! bounded JSON request, and streaming a request body into an object of the store. A
-//! client that stops sending for [`IDLE`] is cut off: a parked request holds memory the
-//! controller shares with every job.
+//! bounded JSON request, a query's pairs, and streaming a request body into an object of
+//! the store. A client that stops sending for [`IDLE`] is cut off: a parked request holds
+//! memory the controller shares with every job.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::UnsyncBoxBody};
 use object_store::{ObjectStore, ObjectStoreExt as _, WriteMultipart, path::Path};
+
+use crate::{error::CacheError, refusal::Refusal};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -112,73 +114,117 @@ where
     }
 }
 
-/// Why a part could not be written.
-#[derive(Debug)]
-pub enum WriteError {
-    /// The client's fault: said to it as a 400.
-    Client(String),
-    /// More than the client may upload now.
-    Refused(crate::Refusal),
-    Storage(object_store::Error),
-}
-
 /// Streams `body` into the object at `path` (never whole in memory) in pieces of `chunk`
 /// bytes: at most `max` bytes, and exactly `expected` when given; `admit` is asked before
 /// each piece of the body is taken (what it may still cost). The object exists only if
-/// all went well.
+/// all went well; what the client sent wrong is refused as malformed.
 pub async fn write_object<B>(
     store: &dyn ObjectStore,
     path: &Path,
     body: B,
     (expected, max): (Option<u64>, u64),
     chunk: usize,
-    mut admit: impl FnMut(u64) -> Result<(), crate::Refusal> + Send,
-) -> Result<u64, WriteError>
+    mut admit: impl FnMut(u64) -> Result<(), Refusal> + Send,
+) -> Result<u64, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send + Unpin,
     B::Error: Into<BoxError>,
 {
-    let upload = store.put_multipart(path).await.map_err(WriteError::Storage)?;
+    let upload = store.put_multipart(path).await?;
     // One piece in flight: what a parked upload holds is one chunk.
     let mut writer = WriteMultipart::new_with_chunk_size(upload, chunk);
     let mut body = body;
     let mut written = 0u64;
-    let outcome = loop {
+    let outcome: Result<(), CacheError> = loop {
         let frame = match tokio::time::timeout(IDLE, body.frame()).await {
             Ok(frame) => frame,
-            Err(_) => break Err(WriteError::Client(format!("the upload sent nothing for {} s", IDLE.as_secs()))),
+            Err(_) => break Err(Refusal::malformed(format!("the upload sent nothing for {} s", IDLE.as_secs())).into()),
         };
         match frame {
             None => break Ok(()),
-            Some(Err(error)) => break Err(WriteError::Client(format!("the upload broke off: {}", error.into()))),
+            Some(Err(error)) => break Err(Refusal::malformed(format!("the upload broke off: {}", error.into())).into()),
             Some(Ok(frame)) => {
                 let Ok(data) = frame.into_data() else { continue };
                 written += data.len() as u64;
                 if written > max || expected.is_some_and(|expected| written > expected) {
-                    break Err(WriteError::Client(format!("the upload is larger than {}", expected.unwrap_or(max))));
+                    break Err(Refusal::malformed(format!("the upload is larger than {}", expected.unwrap_or(max))).into());
                 }
                 if let Err(refusal) = admit(data.len() as u64) {
-                    break Err(WriteError::Refused(refusal));
+                    break Err(refusal.into());
                 }
                 if let Err(error) = writer.wait_for_capacity(1).await {
-                    break Err(WriteError::Storage(error));
+                    break Err(error.into());
                 }
                 writer.put(data);
             }
         }
     };
     let outcome = outcome.and_then(|()| match expected {
-        Some(expected) if expected != written => Err(WriteError::Client(format!("{written} bytes arrived, the request said {expected}"))),
+        Some(expected) if expected != written => Err(Refusal::malformed(format!("{written} bytes arrived, the request said {expected}")).into()),
         _ => Ok(()),
     });
     match outcome {
         Ok(()) => {
-            writer.finish().await.map_err(WriteError::Storage)?;
+            writer.finish().await?;
             Ok(written)
         }
         Err(error) => {
             let _ = writer.abort().await;
             Err(error)
         }
+    }
+}
+
+/// `a=1&b=x%2Cy` → [(a, 1), (b, "x,y")]: the query's pairs, percent-decoded.
+pub fn form_urlencoded(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            (percent_decode(name), percent_decode(value))
+        })
+        .collect()
+}
+
+/// `%2C` → `,` and `+` → space, as HTML forms (and the toolkit's encodeURIComponent) write
+/// them. Hand-written: a dozen lines; no crate of the tree decodes a query.
+pub fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => match (hex_digit(bytes[i + 1]), hex_digit(bytes[i + 2])) {
+                (Some(high), Some(low)) => {
+                    out.push(high << 4 | low);
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            byte => out.push(byte),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn hex_digit(byte: u8) -> Option<u8> {
+    char::from(byte).to_digit(16).and_then(|digit| u8::try_from(digit).ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queries_are_read_as_the_toolkit_writes_them() {
+        assert_eq!(
+            form_urlencoded("keys=deps-linux-abc%2Cdeps-linux-&version=4a12"),
+            [("keys".to_owned(), "deps-linux-abc,deps-linux-".to_owned()), ("version".to_owned(), "4a12".to_owned())]
+        );
+        assert_eq!(percent_decode("a%20b+c%zz%"), "a b c%zz%");
+        assert_eq!(percent_decode("%E2%9C%93"), "✓");
     }
 }

@@ -13,17 +13,23 @@
 //! job, per repository and in all, and refused with a status and a counted reason past
 //! that ([`budget`], [`refusal`]).
 //!
-//! Layout:
-//! - [`service`]: a request routed ([`api`]) to its API's adapter ([`v1`], [`v2`]), over
-//!   the rooms that do the work: [`uploads`] (saves, bounded as they go), [`restore`]
-//!   (which entry, which archive a job may read) and [`download`] (archives streamed).
-//! - [`scope`], [`budget`]: who asks, and what they may hold.
-//! - [`lookup`]: which entry a restore gets (pure, table-tested).
-//! - [`store`]: the objects on the store; the store is the index.
+//! Layout, each room importing only from the rooms listed after it (this file declares
+//! and re-exports, and holds nothing of its own):
+//! - [`service`]: the [`Cache`]; a request told apart by [`api`] (the protocol's one
+//!   route table, `contract::cache::Call`) and handed to its API's adapter, then the sweep.
+//! - [`v1`], [`v2`]: the two APIs' adapters — a request parsed, a room called, its answer
+//!   encoded in the API's format; neither knows the other.
 //! - [`sweep`]: what goes — past the age limit, over the size limits (least recently
 //!   used first), uploads never committed.
+//! - [`uploads`]: saves, from reservation to commit, bounded as they go.
+//! - [`restore`]: which entry a job's keys find, which archives it may download.
+//! - [`download`]: archives streamed.
+//! - [`api`]: what a job is told where no cache is kept.
+//! - [`lookup`]: which entry a restore gets (pure, table-tested), and what keys may be.
+//! - [`scope`], [`budget`]: who asks, and what they may hold.
+//! - [`store`]: the objects on the store; the store is the index.
 //! - [`backend`]: the storage opened (a directory, or an S3 bucket).
-//! - [`http`], [`metrics`], [`error`]: the plumbing.
+//! - [`http`], [`metrics`], [`error`], [`refusal`]: the plumbing.
 
 #![forbid(unsafe_code)]
 
@@ -54,31 +60,3 @@ pub use crate::{
     service::{Cache, Io},
     uploads::KeepFree,
 };
-
-pub(crate) use contract::error_chain;
-
-pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-/// A new upload's id: random, unguessable enough for a name only its own job learns,
-/// and below 2^53 because the v1 client keeps it in a JavaScript number.
-pub(crate) fn new_id() -> Result<u64, CacheError> {
-    use ring::rand::SecureRandom as _;
-    let mut bytes = [0u8; 8];
-    ring::rand::SystemRandom::new().fill(&mut bytes).map_err(|_| CacheError::Request("the system offers no randomness".to_owned()))?;
-    Ok((u64::from_le_bytes(bytes) & ((1 << 53) - 1)).max(1))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ids_fit_a_javascript_number() {
-        for _ in 0..64 {
-            let id = new_id().unwrap();
-            assert!((1..1 << 53).contains(&id));
-        }
-    }
-}

@@ -10,7 +10,7 @@ use prometheus_client::{
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     /// Evictions: `age`, `repository_size`, `total_size`, `abandoned`; refusals: see
-    /// `crate::Refusal::reason`.
+    /// `crate::refusal::Refusal::reason`.
     pub reason: String,
 }
 
@@ -35,7 +35,7 @@ pub struct CacheMetrics {
     pub evictions: Family<ReasonLabel, Counter>,
     pub stored_bytes: Gauge,
     pub stored_entries: Gauge,
-    /// Requests refused, by reason (`crate::Refusal::reason`).
+    /// Requests refused, by reason (`crate::refusal::Refusal::reason`).
     pub refusals: Family<ReasonLabel, Counter>,
     /// Bytes of uploads not committed (or committed, not yet swept): what the in-flight
     /// allowance holds.

@@ -2,8 +2,11 @@
 //! its own format), the reason counted in `gdr_cache_refusals_total` and the message for
 //! the job's log. docs/security.md lists every reason with its status.
 
+use crate::budget::Exceeded;
+
 /// Why the cache refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
 pub struct Refusal {
     pub status: u16,
     /// The metric's label, e.g. `job_uploading`.
@@ -28,8 +31,8 @@ impl Refusal {
     }
 }
 
-impl From<crate::budget::Exceeded> for Refusal {
-    fn from(exceeded: crate::budget::Exceeded) -> Refusal {
+impl From<Exceeded> for Refusal {
+    fn from(exceeded: Exceeded) -> Refusal {
         Refusal::too_much(exceeded.reason(), exceeded.explain())
     }
 }

@@ -5,7 +5,16 @@
 
 use std::sync::Arc;
 
-use crate::{CacheError, CacheMetrics, Scope, error_chain, lookup, now_ms, store::EntryMeta, store::Storage};
+use contract::error_chain;
+
+use crate::{
+    error::CacheError,
+    lookup::{self, check_key, check_version},
+    metrics::CacheMetrics,
+    refusal::Refusal,
+    scope::Scope,
+    store::{EntryMeta, Object, Storage, now_ms},
+};
 
 /// When a restore marks its entry used again at most (each mark is a write).
 const TOUCH_AFTER_MS: i64 = 10 * 60 * 1000;
@@ -21,8 +30,12 @@ impl Restores {
         Restores { storage, metrics }
     }
 
-    /// The entry `keys` restore in `scope` (a hit marks it used), counted as a hit or a miss.
+    /// The entry `keys` restore in `scope` (a hit marks it used), counted as a hit or a
+    /// miss; refused when a key or the version is not one a client may send.
     pub async fn restore(&self, scope: &Scope, keys: &[String], version: &str) -> Result<Option<EntryMeta>, CacheError> {
+        if let Some(problem) = keys.iter().find_map(|key| check_key(key).err()).or_else(|| check_version(version).err()) {
+            return Err(Refusal::malformed(problem).into());
+        }
         let mut scopes = Vec::with_capacity(scope.read.len());
         let mut used = std::collections::HashMap::new();
         for git_ref in &scope.read {
@@ -55,5 +68,20 @@ impl Restores {
             self.storage.read_ref(&scope.repository, git_ref).await?;
         }
         Ok(self.storage.archive(&scope.repository, id).filter(|entry| scope.read.contains(&entry.git_ref)))
+    }
+
+    /// The parts of archive `id` (as the client names it), in order, if `scope` may read
+    /// it; refused alike whether it does not exist or is another ref's.
+    pub async fn archive(&self, scope: &Scope, id: &str) -> Result<Vec<Object>, CacheError> {
+        let Ok(id) = id.parse::<u64>() else { return Err(Refusal::malformed(format!("{id:?} is not an archive id")).into()) };
+        let missing = || Refusal::new(404, "unknown_archive", format!("no archive {id} in the cache of {} that this job may read", scope.repository));
+        if self.readable(scope, id).await?.is_none() {
+            return Err(missing().into());
+        }
+        let parts = self.storage.parts(&scope.repository, id).await?;
+        if parts.is_empty() {
+            return Err(missing().into());
+        }
+        Ok(parts)
     }
 }

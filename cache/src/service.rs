@@ -1,9 +1,11 @@
-//! The cache service: one request of a job, routed by [`crate::api::Call`] to the API's
-//! adapter ([`crate::v1`], [`crate::v2`]) over the rooms that do the work — uploads,
-//! restores, downloads — with at most [`MAX_REQUESTS_PER_JOB`] of a job's requests (and
-//! [`MAX_REQUESTS`] of all jobs') in progress at once, every refusal counted by its reason.
-//! Its file I/O runs on a runtime of its own ([`Io`]) when it has one, so that however
-//! many requests jobs make, the blocking threads the controller's store needs stay free.
+//! The cache service: the rooms of one cache put together, a job's request told apart by
+//! its [`Call`] and handed to the API's adapter ([`crate::v1`], [`crate::v2`]) over the
+//! rooms that do the work — uploads, restores, downloads — with at most
+//! [`MAX_REQUESTS_PER_JOB`] of a job's requests (and [`MAX_REQUESTS`] of all jobs') in
+//! progress at once, every refusal counted by its reason and answered in its API's
+//! format; and the sweep, run over the same rooms. Its file I/O runs on a runtime of its
+//! own ([`Io`]) when it has one, so that however many requests jobs make, the blocking
+//! threads the controller's store needs stay free.
 
 use std::{
     collections::HashMap,
@@ -11,16 +13,20 @@ use std::{
 };
 
 use bytes::Bytes;
+use contract::error_chain;
 
 use crate::{
-    BoxError, CacheError, CacheMetrics, Refusal, Response, Scope,
-    api::Call,
+    api::{Call, call_of},
     backend::Backend,
-    download, error_chain,
-    http::message,
+    download,
+    error::CacheError,
+    http::{BoxError, Response, hold, message},
+    metrics::CacheMetrics,
+    refusal::Refusal,
     restore::Restores,
-    scope::Limits,
+    scope::{Limits, Scope},
     store::Storage,
+    sweep::{Sweep, Swept},
     uploads::{KeepFree, Uploads},
     v1, v2,
 };
@@ -119,14 +125,6 @@ impl Cache {
         &self.metrics
     }
 
-    pub(crate) fn storage(&self) -> &Storage {
-        &self.storage
-    }
-
-    pub(crate) fn uploads(&self) -> &Uploads {
-        &self.uploads
-    }
-
     /// Answers one request of a job in `scope` on the cache's own runtime (see [`Io`]).
     /// `base` is the cache's URL as the job reaches it.
     pub async fn serve<B>(self: Arc<Self>, scope: Scope, base: String, request: http::Request<B>) -> Response
@@ -150,36 +148,48 @@ impl Cache {
         B::Error: Into<BoxError>,
     {
         let (parts, body) = request.into_parts();
-        let path = parts.uri.path().to_owned();
-        let query = parts.uri.query().unwrap_or("").to_owned();
-        let base = base.trim_end_matches('/');
-        let call = Call::of(&parts.method, &path);
+        let call = call_of(&parts.method, parts.uri.path());
         self.metrics.request(call.api());
         let in_progress = match self.requests.begin(&scope.job) {
             Ok(in_progress) => in_progress,
             Err(refusal) => return self.refused(&call, scope, &refusal),
         };
-        let answered = match &call {
-            Call::Lookup => v1::lookup(&self.restores, scope, base, &query).await,
-            Call::Reserve => v1::reserve(&self.uploads, scope, body).await,
-            Call::Chunk(id) => v1::upload(&self.uploads, scope, id, &parts.headers, body).await,
-            Call::Commit(id) => v1::commit(&self.uploads, scope, id, body).await,
-            Call::Download { id, head_only } => self.download(scope, id, *head_only, &parts.headers).await,
-            Call::Blob(id) => v2::blob(&self.uploads, scope, id, &query, &parts.headers, body).await,
-            Call::Create => v2::create(&self.uploads, scope, base, body).await,
-            Call::Finalize => v2::finalize(&self.uploads, scope, body).await,
-            Call::DownloadUrl => v2::download_url(&self.restores, scope, base, body).await,
-            Call::UnknownMethod(method) => Ok(Err(Refusal::new(404, "malformed", format!("the cache service has no method {method}")))),
-            Call::NotFound => Ok(Err(Refusal::new(404, "malformed", format!("the cache has no {} {path}", parts.method)))),
-        };
+        let answered = self.route(&call, scope, base.trim_end_matches('/'), &parts, body).await;
         self.metrics.uploading_bytes.set(i64::try_from(self.uploads.in_flight().bytes).unwrap_or(i64::MAX));
         match answered {
-            Ok(Ok(response)) => response.map(|body| crate::http::hold(body, in_progress)),
-            Ok(Err(refusal)) => self.refused(&call, scope, &refusal),
+            Ok(response) => response.map(|body| hold(body, in_progress)),
+            Err(CacheError::Refused(refusal)) => self.refused(&call, scope, &refusal),
             Err(error) => {
+                let path = parts.uri.path();
                 tracing::warn!(repository = %scope.repository, %path, error = %error_chain(&error), "cache request failed");
                 message(500, format!("the cache failed: {}", error_chain(&error)))
             }
+        }
+    }
+
+    /// `call`, run by the room that does it through its API's adapter.
+    async fn route<B>(&self, call: &Call, scope: &Scope, base: &str, parts: &http::request::Parts, body: B) -> Result<Response, CacheError>
+    where
+        B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let query = parts.uri.query().unwrap_or("");
+        match call {
+            Call::Lookup => v1::lookup(&self.restores, scope, base, query).await,
+            Call::Reserve => v1::reserve(&self.uploads, scope, body).await,
+            Call::Chunk(id) => v1::upload(&self.uploads, scope, id, &parts.headers, body).await,
+            Call::Commit(id) => v1::commit(&self.uploads, scope, id, body).await,
+            Call::Download { id, head_only } => {
+                let archive = self.restores.archive(scope, id).await?;
+                let io = self.io.clone().unwrap_or_else(tokio::runtime::Handle::current);
+                download::serve(Arc::clone(self.storage.store()), Arc::clone(&self.metrics), &io, archive, *head_only, &parts.headers)
+            }
+            Call::Blob(id) => v2::blob(&self.uploads, scope, id, query, &parts.headers, body).await,
+            Call::Create => v2::create(&self.uploads, scope, base, body).await,
+            Call::Finalize => v2::finalize(&self.uploads, scope, body).await,
+            Call::DownloadUrl => v2::download_url(&self.restores, scope, base, body).await,
+            Call::UnknownMethod(method) => Err(Refusal::new(404, "malformed", format!("the cache service has no method {method}")).into()),
+            Call::Unknown => Err(Refusal::new(404, "malformed", format!("the cache has no {} {}", parts.method, parts.uri.path())).into()),
         }
     }
 
@@ -196,19 +206,22 @@ impl Cache {
         }
     }
 
-    /// `GET`/`HEAD artifacts/{id}`: an archive of a committed entry the job reads.
-    async fn download(&self, scope: &Scope, id: &str, head_only: bool, headers: &http::HeaderMap) -> Result<Result<Response, Refusal>, CacheError> {
-        let Ok(id) = id.parse::<u64>() else { return Ok(Err(Refusal::malformed(format!("{id:?} is not an archive id")))) };
-        let missing = || Refusal::new(404, "unknown_archive", format!("no archive {id} in the cache of {} that this job may read", scope.repository));
-        if self.restores.readable(scope, id).await?.is_none() {
-            return Ok(Err(missing()));
-        }
-        let parts = self.storage.parts(&scope.repository, id).await?;
-        if parts.is_empty() {
-            return Ok(Err(missing()));
-        }
-        let io = self.io.clone().unwrap_or_else(tokio::runtime::Handle::current);
-        download::serve(Arc::clone(self.storage.store()), Arc::clone(&self.metrics), &io, parts, head_only, headers).map(Ok)
+    /// The sweep over this cache's rooms.
+    fn sweeper(&self) -> Sweep<'_> {
+        Sweep { storage: &self.storage, uploads: &self.uploads, metrics: &self.metrics, limits: self.limits }
+    }
+
+    /// One sweep over the whole store ([`crate::sweep`]).
+    ///
+    /// # Errors
+    /// When the store cannot be listed (what was deleted before stays deleted).
+    pub async fn sweep(&self) -> Result<Swept, CacheError> {
+        self.sweeper().once().await
+    }
+
+    /// Sweeps every `interval`, and soon after a commit, until `shutdown`.
+    pub async fn sweep_loop(&self, interval: std::time::Duration, shutdown: tokio_util::sync::CancellationToken) {
+        self.sweeper().every(interval, shutdown).await;
     }
 }
 

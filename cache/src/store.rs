@@ -290,6 +290,17 @@ impl Storage {
     }
 }
 
+/// A repository as it stands (percent-encoded) in a path segment: what a listing of the
+/// store gives back.
+pub fn encoded(repository: &str) -> String {
+    object_store::path::PathPart::from(repository).as_ref().to_owned()
+}
+
+/// Now, in the milliseconds since the epoch the records and the store's times are in.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
 /// The offset a part's name holds.
 pub fn part_offset(path: &Path) -> Option<u64> {
     path.filename()?.parse().ok()

@@ -10,7 +10,15 @@ use std::collections::{HashMap, HashSet};
 
 use object_store::path::Path;
 
-use crate::{Cache, CacheError, Limits, now_ms, store::Object};
+use contract::error_chain;
+
+use crate::{
+    error::CacheError,
+    metrics::CacheMetrics,
+    scope::Limits,
+    store::{EntryMeta, Object, Storage, encoded, now_ms},
+    uploads::Uploads,
+};
 
 /// An upload (its parts, its blocks) untouched this long is abandoned.
 const ABANDONED_AFTER_MS: i64 = 60 * 60 * 1000;
@@ -84,14 +92,23 @@ pub struct Swept {
     pub bytes: u64,
 }
 
-impl Cache {
+/// The sweeper of one cache: what it reads, what it gives back, where it counts.
+#[derive(Debug)]
+pub struct Sweep<'a> {
+    pub storage: &'a Storage,
+    pub uploads: &'a Uploads,
+    pub metrics: &'a CacheMetrics,
+    pub limits: Limits,
+}
+
+impl Sweep<'_> {
     /// One sweep over the whole store.
     ///
     /// # Errors
     /// When the store cannot be listed (what was deleted before stays deleted).
-    pub async fn sweep(&self) -> Result<Swept, CacheError> {
-        let mark = self.uploads().sweep_starts();
-        let storage = self.storage();
+    pub async fn once(&self) -> Result<Swept, CacheError> {
+        let mark = self.uploads.sweep_starts();
+        let storage = self.storage;
         let now = now_ms();
         let used = used_marks(&storage.list(&Path::from("used")).await?);
         let blobs = storage.list(&Path::from("blobs")).await?;
@@ -122,7 +139,7 @@ impl Cache {
             }
         }
         let mut swept = Swept::default();
-        let going = plan(&stored, &self.limits(), now);
+        let going = plan(&stored, &self.limits, now);
         let mut gone = HashSet::new();
         for (index, reason) in &going {
             let (path, entry) = &entries[*index];
@@ -130,9 +147,9 @@ impl Cache {
             if let Some((mark, _)) = used.get(&below_first(path)) {
                 storage.delete(mark).await?;
             }
-            storage.delete_all(&crate::store::Storage::blob_dir(&entry.repository, entry.id)).await?;
+            storage.delete_all(&Storage::blob_dir(&entry.repository, entry.id)).await?;
             tracing::info!(repository = %entry.repository, git_ref = %entry.git_ref, key = %entry.key, reason = reason.label(), "cache entry evicted");
-            self.metrics().evicted(reason.label(), 1);
+            self.metrics.evicted(reason.label(), 1);
             gone.insert(*index);
             swept.evicted += 1;
         }
@@ -141,22 +158,17 @@ impl Cache {
             swept.entries += 1;
             swept.bytes += entry.size;
         }
-        self.metrics().stored_entries.set(i64::try_from(swept.entries).unwrap_or(i64::MAX));
-        self.metrics().stored_bytes.set(i64::try_from(swept.bytes).unwrap_or(i64::MAX));
-        self.uploads().swept(mark);
-        self.metrics().uploading_bytes.set(i64::try_from(self.uploads().in_flight().bytes).unwrap_or(i64::MAX));
+        self.metrics.stored_entries.set(i64::try_from(swept.entries).unwrap_or(i64::MAX));
+        self.metrics.stored_bytes.set(i64::try_from(swept.bytes).unwrap_or(i64::MAX));
+        self.uploads.swept(mark);
+        self.metrics.uploading_bytes.set(i64::try_from(self.uploads.in_flight().bytes).unwrap_or(i64::MAX));
         Ok(swept)
     }
 
     /// Uploads never committed, their blocks, and parts no entry or upload owns, once
     /// untouched for an hour.
-    async fn sweep_abandoned(
-        &self,
-        entries: &[(Path, crate::store::EntryMeta)],
-        blob_sizes: &HashMap<(String, String), (u64, i64)>,
-        now: i64,
-    ) -> Result<u64, CacheError> {
-        let storage = self.storage();
+    async fn sweep_abandoned(&self, entries: &[(Path, EntryMeta)], blob_sizes: &HashMap<(String, String), (u64, i64)>, now: i64) -> Result<u64, CacheError> {
+        let storage = self.storage;
         let old = |object: &Object| now - object.modified_ms > ABANDONED_AFTER_MS;
         let mut open: HashSet<(String, String)> = HashSet::new();
         let mut abandoned = 0;
@@ -166,7 +178,7 @@ impl Cache {
             if old(&object) {
                 storage.delete(&object.path).await?;
                 if let Ok(id) = id.parse() {
-                    self.uploads().given_up(repository, id);
+                    self.uploads.given_up(repository, id);
                 }
                 abandoned += 1;
             } else {
@@ -183,7 +195,7 @@ impl Cache {
             let key = (repository.clone(), id.clone());
             if !owned.contains(&key) && !open.contains(&key) && now - modified_ms > ABANDONED_AFTER_MS {
                 storage.delete_all(&Path::from_iter(["blobs", repository.as_str(), id.as_str()].map(object_store::path::PathPart::from))).await?;
-                self.metrics().evicted("abandoned", 1);
+                self.metrics.evicted("abandoned", 1);
                 abandoned += 1;
             }
         }
@@ -191,19 +203,19 @@ impl Cache {
     }
 
     /// Sweeps every `interval`, and soon after a commit, until `shutdown`.
-    pub async fn sweep_loop(&self, interval: std::time::Duration, shutdown: tokio_util::sync::CancellationToken) {
+    pub async fn every(&self, interval: std::time::Duration, shutdown: tokio_util::sync::CancellationToken) {
         loop {
-            match self.sweep().await {
+            match self.once().await {
                 Ok(swept) if swept.evicted > 0 || swept.abandoned > 0 => {
                     tracing::info!(evicted = swept.evicted, abandoned = swept.abandoned, entries = swept.entries, bytes = swept.bytes, "cache swept");
                 }
                 Ok(_) => {}
-                Err(error) => tracing::warn!(error = %crate::error_chain(&error), "the cache sweep failed; trying again at the next"),
+                Err(error) => tracing::warn!(error = %error_chain(&error), "the cache sweep failed; trying again at the next"),
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(interval) => {}
-                () = self.uploads().committed() => {
+                () = self.uploads.committed() => {
                     // Commits come in bursts (a matrix): one sweep after them.
                     tokio::select! {
                         () = shutdown.cancelled() => return,
@@ -223,11 +235,6 @@ fn used_marks(marks: &[Object]) -> HashMap<String, (Path, i64)> {
 /// A path without its first segment: an entry's and its use mark's are the same.
 fn below_first(path: &Path) -> String {
     path.parts().skip(1).map(|part| part.as_ref().to_owned()).collect::<Vec<_>>().join("/")
-}
-
-/// A repository as it stands (percent-encoded) in a path segment.
-pub(crate) fn encoded(repository: &str) -> String {
-    object_store::path::PathPart::from(repository).as_ref().to_owned()
 }
 
 /// `blobs/<repository>/<id>/<offset>` → (repository, id) as encoded in the path.

@@ -12,7 +12,9 @@
 //!
 //! What is open is remembered here; an upload this controller has not seen (opened before
 //! a restart, or through another controller on the same bucket) is read back from the
-//! storage on its first use.
+//! storage on its first use. A v1 save names its upload by id at every call; a v2 save
+//! names its key at the end, so its upload is found by a pending name of that key
+//! ([`Uploads::begin_by_key`], [`Uploads::finish_by_key`]).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -26,13 +28,14 @@ use std::{
 use bytes::Bytes;
 
 use crate::{
-    BoxError, CacheError, CacheMetrics, Refusal, Scope,
     budget::{Budget, Usage},
-    http::{WriteError, write_object},
+    error::CacheError,
+    http::{BoxError, write_object},
     lookup::{check_key, check_version},
-    now_ms,
-    scope::{Limits, MAX_OPEN_UPLOADS, MAX_PARTS},
-    store::{EntryMeta, Storage, UploadMeta, check_parts, part_offset},
+    metrics::CacheMetrics,
+    refusal::Refusal,
+    scope::{Limits, MAX_OPEN_UPLOADS, MAX_PARTS, Scope},
+    store::{EntryMeta, Storage, UploadMeta, check_parts, encoded, now_ms, part_offset},
 };
 
 /// The free space the cache leaves on its filesystem: bytes, or a share of the filesystem.
@@ -42,21 +45,29 @@ pub enum KeepFree {
     Percent(u8),
 }
 
-/// What a save's first call finds.
+/// What a save's first call finds (or it is refused: [`CacheError::Refused`]).
 #[derive(Debug)]
 pub enum Begun {
     Started(UploadMeta),
     /// The key is committed already in the job's scope: it is never overwritten.
     Exists,
-    Refused(Refusal),
 }
 
-/// What a commit comes to.
+/// What a commit comes to (or it is refused: [`CacheError::Refused`]).
 #[derive(Debug)]
 pub enum Finished {
     Committed(EntryMeta),
+    /// Another save of the key was committed first; this one is given up.
     Exists,
-    Refused(Refusal),
+}
+
+/// A new upload's id: random, unguessable enough for a name only its own job learns,
+/// and below 2^53 because the v1 client keeps it in a JavaScript number.
+pub(crate) fn new_id() -> Result<u64, CacheError> {
+    use ring::rand::SecureRandom as _;
+    let mut bytes = [0u8; 8];
+    ring::rand::SystemRandom::new().fill(&mut bytes).map_err(|_| CacheError::Request("the system offers no randomness".to_owned()))?;
+    Ok((u64::from_le_bytes(bytes) & ((1 << 53) - 1)).max(1))
 }
 
 /// Where a piece of an upload goes.
@@ -167,10 +178,6 @@ impl Uploads {
         self
     }
 
-    pub fn storage(&self) -> &Arc<Storage> {
-        &self.storage
-    }
-
     fn open(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u64), Open>> {
         self.open.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -210,11 +217,11 @@ impl Uploads {
     /// besides its pieces (its record; v2's pending name too).
     pub async fn begin(&self, scope: &Scope, key: &str, version: &str, size: u64, records: u64) -> Result<Begun, CacheError> {
         if let Some(problem) = check_key(key).err().or_else(|| check_version(version).err()) {
-            return Ok(Begun::Refused(Refusal::malformed(problem)));
+            return Err(Refusal::malformed(problem).into());
         }
         let max = self.limits.max_entry();
         if size > max {
-            return Ok(Begun::Refused(Refusal::new(
+            return Err(Refusal::new(
                 400,
                 "entry_size",
                 format!(
@@ -222,17 +229,16 @@ impl Uploads {
                     size >> 20,
                     max >> 20
                 ),
-            )));
+            )
+            .into());
         }
         if self.storage.committed(&scope.repository, &scope.write, version, key).await? {
             self.metrics.save_conflicts.inc();
             return Ok(Begun::Exists);
         }
-        if let Err(refusal) = self.check_room() {
-            return Ok(Begun::Refused(refusal));
-        }
+        self.check_room()?;
         let meta = UploadMeta {
-            id: crate::new_id()?,
+            id: new_id()?,
             key: key.to_owned(),
             version: version.to_owned(),
             repository: scope.repository.clone(),
@@ -245,14 +251,11 @@ impl Uploads {
             let mut open = self.open();
             let open_now = open.values().filter(|upload| upload.job == scope.job).count();
             if open_now >= MAX_OPEN_UPLOADS {
-                return Ok(Begun::Refused(Refusal::too_much(
-                    "open_uploads",
-                    format!("this job has {open_now} saves open, the most it may have at once; commit them first"),
-                )));
+                return Err(
+                    Refusal::too_much("open_uploads", format!("this job has {open_now} saves open, the most it may have at once; commit them first")).into()
+                );
             }
-            if let Err(exceeded) = self.budget.charge(&scope.job, &scope.repository, charge) {
-                return Ok(Begun::Refused(exceeded.into()));
-            }
+            self.budget.charge(&scope.job, &scope.repository, charge).map_err(Refusal::from)?;
             let upload = Open { meta: meta.clone(), job: scope.job.clone(), charged: charge, parts: BTreeMap::new(), blocks: HashMap::new() };
             open.insert((meta.repository.clone(), meta.id), upload);
         }
@@ -263,28 +266,49 @@ impl Uploads {
         Ok(Begun::Started(meta))
     }
 
+    /// Begins a save that will be finished by its key ([`Uploads::finish_by_key`]): its
+    /// record, and the pending name of its key (the latest save of a key is the one).
+    pub async fn begin_by_key(&self, scope: &Scope, key: &str, version: &str) -> Result<Begun, CacheError> {
+        let begun = self.begin(scope, key, version, 0, 2).await?;
+        if let Begun::Started(upload) = &begun {
+            self.storage.put_json(&Storage::pending_path(&scope.repository, &scope.write, version, key), &upload.id).await?;
+        }
+        Ok(begun)
+    }
+
+    /// Commits the save of `key` begun by [`Uploads::begin_by_key`], as [`Uploads::finish`]
+    /// does; `None` when the job has no such save open (never begun, finished already, or
+    /// of another ref). Its pending name goes once the commit is done or refused.
+    pub async fn finish_by_key(&self, scope: &Scope, key: &str, version: &str, size: u64) -> Result<Option<Finished>, CacheError> {
+        let pending = Storage::pending_path(&scope.repository, &scope.write, version, key);
+        let Some(id) = self.storage.get_json::<u64>(&pending).await? else { return Ok(None) };
+        let upload = match self.own(scope, &id.to_string()).await {
+            Ok(upload) => upload,
+            Err(CacheError::Refused(_)) => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        let finished = self.finish(&upload, size).await;
+        if matches!(finished, Ok(_) | Err(CacheError::Refused(_))) {
+            self.storage.delete(&pending).await?;
+        }
+        finished.map(Some)
+    }
+
     /// The job's own upload `id` (read back from the storage if this controller has not
     /// seen it), or why the job may not use it.
-    pub async fn own(&self, scope: &Scope, id: &str) -> Result<Result<UploadMeta, Refusal>, CacheError> {
-        let Ok(id) = id.parse::<u64>() else { return Ok(Err(Refusal::malformed(format!("{id:?} is not an upload id")))) };
+    pub async fn own(&self, scope: &Scope, id: &str) -> Result<UploadMeta, CacheError> {
+        let Ok(id) = id.parse::<u64>() else { return Err(Refusal::malformed(format!("{id:?} is not an upload id")).into()) };
         let known = self.open().get(&(scope.repository.clone(), id)).map(|upload| upload.meta.clone());
         let meta = match known {
             Some(meta) => meta,
-            None => match self.read_back(scope, id).await? {
-                Some(meta) => meta,
-                None => {
-                    return Ok(Err(Refusal::new(
-                        404,
-                        "unknown_upload",
-                        format!("no upload {id} of {} is open: reserve it first (or it was committed)", scope.repository),
-                    )));
-                }
-            },
+            None => self.read_back(scope, id).await?.ok_or_else(|| {
+                Refusal::new(404, "unknown_upload", format!("no upload {id} of {} is open: reserve it first (or it was committed)", scope.repository))
+            })?,
         };
         if meta.git_ref != scope.write {
-            return Ok(Err(Refusal::new(403, "other_ref", format!("upload {id} saves for {}, this job saves for {}", meta.git_ref, scope.write))));
+            return Err(Refusal::new(403, "other_ref", format!("upload {id} saves for {}, this job saves for {}", meta.git_ref, scope.write)).into());
         }
-        Ok(Ok(meta))
+        Ok(meta)
     }
 
     /// An upload this controller has not seen, from the storage: its record, parts and
@@ -366,18 +390,13 @@ impl Uploads {
 
     /// Writes `body` as `piece` of `upload`: `length` bytes exactly when given, else
     /// whatever arrives within the upload's limits.
-    pub async fn write<B>(&self, upload: &UploadMeta, piece: Piece, length: Option<u64>, body: B) -> Result<Result<u64, Refusal>, CacheError>
+    pub async fn write<B>(&self, upload: &UploadMeta, piece: Piece, length: Option<u64>, body: B) -> Result<u64, CacheError>
     where
         B: http_body::Body<Data = Bytes> + Send + Unpin,
         B::Error: Into<BoxError>,
     {
-        if let Err(refusal) = self.check_room() {
-            return Ok(Err(refusal));
-        }
-        let mut writing = match self.start_piece(upload, piece.clone(), length) {
-            Ok(writing) => writing,
-            Err(refusal) => return Ok(Err(refusal)),
-        };
+        self.check_room()?;
+        let mut writing = self.start_piece(upload, piece.clone(), length)?;
         let path = match &piece {
             Piece::Part(offset) => Storage::part_path(&upload.repository, upload.id, *offset),
             Piece::Block(id) => Storage::block_path(&upload.repository, upload.id, id),
@@ -403,16 +422,10 @@ impl Uploads {
         if let Some(held) = self.open().get_mut(&writing.key) {
             held.charged.bytes += unknown_charged;
         }
-        match outcome {
-            Ok(written) => {
-                self.finish_piece(&mut writing, written);
-                self.metrics.bytes_uploaded.inc_by(written);
-                Ok(Ok(written))
-            }
-            Err(WriteError::Client(problem)) => Ok(Err(Refusal::malformed(problem))),
-            Err(WriteError::Refused(refusal)) => Ok(Err(refusal)),
-            Err(WriteError::Storage(error)) => Err(error.into()),
-        }
+        let written = outcome?;
+        self.finish_piece(&mut writing, written);
+        self.metrics.bytes_uploaded.inc_by(written);
+        Ok(written)
     }
 
     fn job_of(&self, upload: &UploadMeta) -> String {
@@ -432,15 +445,15 @@ impl Uploads {
 
     /// Puts the staged blocks of `upload`, in the order of `blocks`, in place as the
     /// archive's parts; blocks the list leaves out are deleted.
-    pub async fn order_blocks(&self, upload: &UploadMeta, blocks: &[String]) -> Result<Result<(), Refusal>, CacheError> {
+    pub async fn order_blocks(&self, upload: &UploadMeta, blocks: &[String]) -> Result<(), CacheError> {
         let key = (upload.repository.clone(), upload.id);
         let staged = {
             let open = self.open();
             let Some(held) = open.get(&key) else {
-                return Ok(Err(Refusal::new(404, "unknown_upload", format!("upload {} was committed or given up meanwhile", upload.id))));
+                return Err(Refusal::new(404, "unknown_upload", format!("upload {} was committed or given up meanwhile", upload.id)).into());
             };
             if held.blocks.values().any(|(_, writing)| *writing) {
-                return Ok(Err(Refusal::malformed("a block of this upload is still being written")));
+                return Err(Refusal::malformed("a block of this upload is still being written").into());
             }
             held.blocks.clone()
         };
@@ -448,13 +461,13 @@ impl Uploads {
         let mut offset = 0u64;
         for block in blocks {
             let Some((length, _)) = staged.get(block) else {
-                return Ok(Err(Refusal::malformed(format!("the block list names {block:?}, which was not uploaded"))));
+                return Err(Refusal::malformed(format!("the block list names {block:?}, which was not uploaded")).into());
             };
             layout.push((block.clone(), offset));
             offset += length;
         }
         if offset > self.limits.max_entry() {
-            return Ok(Err(Refusal::new(
+            return Err(Refusal::new(
                 400,
                 "entry_size",
                 format!(
@@ -462,7 +475,8 @@ impl Uploads {
                     offset >> 20,
                     self.limits.max_entry() >> 20
                 ),
-            )));
+            )
+            .into());
         }
         for (block, offset) in &layout {
             self.storage
@@ -484,30 +498,29 @@ impl Uploads {
             held.charged = Usage::new(held.charged.bytes.saturating_sub(release.bytes), held.charged.objects.saturating_sub(release.objects));
             self.budget.release(&held.job, &held.meta.repository, release);
         }
-        Ok(Ok(()))
+        Ok(())
     }
 
     /// Commits `upload` of `size` bytes: its parts must be exactly the archive; the entry
     /// is written only if its key is not committed yet. Either way the upload is closed.
     pub async fn finish(&self, upload: &UploadMeta, size: u64) -> Result<Finished, CacheError> {
         if upload.size > 0 && upload.size != size {
-            return Ok(Finished::Refused(Refusal::malformed(format!("the commit says {size} bytes, the reservation {}", upload.size))));
+            return Err(Refusal::malformed(format!("the commit says {size} bytes, the reservation {}", upload.size)).into());
         }
         if size > self.limits.max_entry() {
-            return Ok(Finished::Refused(Refusal::new(
+            return Err(Refusal::new(
                 400,
                 "entry_size",
                 format!("{} MB is over this runner's limit of {} MB per entry (cache.max_repository_size)", size >> 20, self.limits.max_entry() >> 20),
-            )));
+            )
+            .into());
         }
         let key = (upload.repository.clone(), upload.id);
         if self.open().get(&key).is_some_and(|held| held.parts.values().chain(held.blocks.values()).any(|(_, writing)| *writing)) {
-            return Ok(Finished::Refused(Refusal::malformed("a part of this upload is still being written")));
+            return Err(Refusal::malformed("a part of this upload is still being written").into());
         }
         let parts = self.storage.parts(&upload.repository, upload.id).await?;
-        if let Err(problem) = check_parts(&parts, size) {
-            return Ok(Finished::Refused(Refusal::malformed(problem)));
-        }
+        check_parts(&parts, size).map_err(Refusal::malformed)?;
         let entry = EntryMeta { size, created_ms: now_ms(), ..upload.clone() };
         let committed = self.storage.commit_entry(&entry).await?;
         self.storage.delete(&Storage::upload_path(&upload.repository, upload.id)).await?;
@@ -564,12 +577,24 @@ impl Uploads {
     fn forget(&self, repository: &str, id: u64) {
         let forgotten = {
             let mut open = self.open();
-            let key =
-                open.keys().find(|(stored, stored_id)| *stored_id == id && (stored == repository || crate::sweep::encoded(stored) == repository)).cloned();
+            let key = open.keys().find(|(stored, stored_id)| *stored_id == id && (stored == repository || encoded(stored) == repository)).cloned();
             key.and_then(|key| open.remove(&key))
         };
         if let Some(upload) = forgotten {
             self.budget.release(&upload.job, &upload.meta.repository, upload.charged);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_fit_a_javascript_number() {
+        for _ in 0..64 {
+            let id = new_id().unwrap();
+            assert!((1..1 << 53).contains(&id));
         }
     }
 }

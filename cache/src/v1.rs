@@ -9,15 +9,19 @@
 //! - `PATCH caches/{id}` with `Content-Range: bytes S-E/*`: one chunk (32 MiB by
 //!   default, four at once, in any order).
 //! - `POST caches/{id} {size}`: the commit; the entry becomes visible now.
+//!
+//! An adapter: each call's request parsed, handed to [`crate::uploads`] or
+//! [`crate::restore`], and its answer (or refusal) encoded as the v1 client reads it.
 
 use bytes::Bytes;
 use serde::Deserialize;
 
 use crate::{
-    CacheError, Refusal, Response, Scope,
-    http::{BoxError, empty, json, message, read_json},
-    lookup::{check_key, check_version},
+    error::CacheError,
+    http::{BoxError, Response, empty, form_urlencoded, json, message, read_json},
+    refusal::Refusal,
     restore::Restores,
+    scope::Scope,
     uploads::{Begun, Finished, Piece, Uploads},
 };
 
@@ -29,7 +33,7 @@ pub(crate) fn refused(refusal: &Refusal) -> Response {
     message(refusal.status, &refusal.message)
 }
 
-pub(crate) async fn lookup(restores: &Restores, scope: &Scope, base: &str, query: &str) -> Result<Result<Response, Refusal>, CacheError> {
+pub(crate) async fn lookup(restores: &Restores, scope: &Scope, base: &str, query: &str) -> Result<Response, CacheError> {
     let mut keys = Vec::new();
     let mut version = String::new();
     for (name, value) in form_urlencoded(query) {
@@ -40,22 +44,19 @@ pub(crate) async fn lookup(restores: &Restores, scope: &Scope, base: &str, query
         }
     }
     if keys.is_empty() || keys.len() > MAX_KEYS {
-        return Ok(Err(Refusal::malformed(format!("a restore names 1 to {MAX_KEYS} keys, this one {}", keys.len()))));
+        return Err(Refusal::malformed(format!("a restore names 1 to {MAX_KEYS} keys, this one {}", keys.len())).into());
     }
-    if let Some(problem) = keys.iter().find_map(|key| check_key(key).err()).or_else(|| check_version(&version).err()) {
-        return Ok(Err(Refusal::malformed(problem)));
-    }
-    Ok(Ok(match restores.restore(scope, &keys, &version).await? {
+    Ok(match restores.restore(scope, &keys, &version).await? {
         Some(entry) => json(
             200,
             &serde_json::json!({
                 "result": "hit",
-                "archiveLocation": format!("{base}/_apis/artifactcache/artifacts/{}", entry.id),
+                "archiveLocation": contract::cache::archive_url(base, entry.id),
                 "cacheKey": entry.key,
             }),
         ),
         None => empty(204),
-    }))
+    })
 }
 
 #[derive(Deserialize)]
@@ -67,39 +68,33 @@ struct Reserve {
     cache_size: Option<u64>,
 }
 
-pub(crate) async fn reserve<B>(uploads: &Uploads, scope: &Scope, body: B) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn reserve<B>(uploads: &Uploads, scope: &Scope, body: B) -> Result<Response, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send,
     B::Error: Into<BoxError>,
 {
-    let request: Reserve = match read_json(body).await {
-        Ok(request) => request,
-        Err(problem) => return Ok(Err(Refusal::malformed(problem))),
-    };
+    let request: Reserve = read_json(body).await.map_err(Refusal::malformed)?;
     Ok(match uploads.begin(scope, &request.key, &request.version, request.cache_size.unwrap_or(0), 1).await? {
-        Begun::Started(upload) => Ok(json(200, &serde_json::json!({ "cacheId": upload.id }))),
-        Begun::Exists => Ok(message(409, exists(&request.key, &scope.write))),
-        Begun::Refused(refusal) => Err(refusal),
+        Begun::Started(upload) => json(200, &serde_json::json!({ "cacheId": upload.id })),
+        Begun::Exists => message(409, exists(&request.key, &scope.write)),
     })
 }
 
-pub(crate) fn exists(key: &str, git_ref: &str) -> String {
+fn exists(key: &str, git_ref: &str) -> String {
     format!("the entry {key:?} exists already for {git_ref}: a committed entry is never overwritten")
 }
 
-pub(crate) async fn upload<B>(uploads: &Uploads, scope: &Scope, id: &str, headers: &http::HeaderMap, body: B) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn upload<B>(uploads: &Uploads, scope: &Scope, id: &str, headers: &http::HeaderMap, body: B) -> Result<Response, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send + Unpin,
     B::Error: Into<BoxError>,
 {
-    let upload = match uploads.own(scope, id).await? {
-        Ok(upload) => upload,
-        Err(refusal) => return Ok(Err(refusal)),
-    };
+    let upload = uploads.own(scope, id).await?;
     let Some((start, end)) = headers.get(http::header::CONTENT_RANGE).and_then(|v| v.to_str().ok()).and_then(content_range) else {
-        return Ok(Err(Refusal::malformed("a chunk carries Content-Range: bytes START-END/*")));
+        return Err(Refusal::malformed("a chunk carries Content-Range: bytes START-END/*").into());
     };
-    Ok(uploads.write(&upload, Piece::Part(start), Some(end - start + 1), body).await?.map(|_| empty(204)))
+    uploads.write(&upload, Piece::Part(start), Some(end - start + 1), body).await?;
+    Ok(empty(204))
 }
 
 #[derive(Deserialize)]
@@ -107,23 +102,16 @@ struct Commit {
     size: u64,
 }
 
-pub(crate) async fn commit<B>(uploads: &Uploads, scope: &Scope, id: &str, body: B) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn commit<B>(uploads: &Uploads, scope: &Scope, id: &str, body: B) -> Result<Response, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send,
     B::Error: Into<BoxError>,
 {
-    let upload = match uploads.own(scope, id).await? {
-        Ok(upload) => upload,
-        Err(refusal) => return Ok(Err(refusal)),
-    };
-    let request: Commit = match read_json(body).await {
-        Ok(request) => request,
-        Err(problem) => return Ok(Err(Refusal::malformed(problem))),
-    };
+    let upload = uploads.own(scope, id).await?;
+    let request: Commit = read_json(body).await.map_err(Refusal::malformed)?;
     Ok(match uploads.finish(&upload, request.size).await? {
-        Finished::Committed(_) => Ok(json(200, &serde_json::json!({}))),
-        Finished::Exists => Ok(message(409, exists(&upload.key, &upload.git_ref))),
-        Finished::Refused(refusal) => Err(refusal),
+        Finished::Committed(_) => json(200, &serde_json::json!({})),
+        Finished::Exists => message(409, exists(&upload.key, &upload.git_ref)),
     })
 }
 
@@ -136,61 +124,16 @@ fn content_range(value: &str) -> Option<(u64, u64)> {
     (start <= end).then_some((start, end))
 }
 
-/// `a=1&b=x%2Cy` → [(a, 1), (b, "x,y")]: the query's pairs, percent-decoded.
-fn form_urlencoded(query: &str) -> Vec<(String, String)> {
-    query
-        .split('&')
-        .filter(|pair| !pair.is_empty())
-        .map(|pair| {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            (percent_decode(name), percent_decode(value))
-        })
-        .collect()
-}
-
-/// `%2C` → `,` and `+` → space, as HTML forms (and the toolkit's encodeURIComponent) write
-/// them. Hand-written: a dozen lines; no crate of the tree decodes a query.
-pub(crate) fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => match (hex_digit(bytes[i + 1]), hex_digit(bytes[i + 2])) {
-                (Some(high), Some(low)) => {
-                    out.push(high << 4 | low);
-                    i += 2;
-                }
-                _ => out.push(b'%'),
-            },
-            byte => out.push(byte),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-fn hex_digit(byte: u8) -> Option<u8> {
-    char::from(byte).to_digit(16).and_then(|digit| u8::try_from(digit).ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn content_ranges_and_queries_are_read_as_the_toolkit_writes_them() {
+    fn content_ranges_are_read_as_the_toolkit_writes_them() {
         assert_eq!(content_range("bytes 0-33554431/*"), Some((0, 33_554_431)));
         assert_eq!(content_range("bytes 33554432-40000000/40000001"), Some((33_554_432, 40_000_000)));
         for bad in ["0-1/*", "bytes 5-1/*", "bytes x-1/*", "bytes 0-1"] {
             assert_eq!(content_range(bad), None, "{bad}");
         }
-        assert_eq!(
-            form_urlencoded("keys=deps-linux-abc%2Cdeps-linux-&version=4a12"),
-            [("keys".to_owned(), "deps-linux-abc,deps-linux-".to_owned()), ("version".to_owned(), "4a12".to_owned())]
-        );
-        assert_eq!(percent_decode("a%20b+c%zz%"), "a b c%zz%");
-        assert_eq!(percent_decode("%E2%9C%93"), "✓");
     }
 }

@@ -13,18 +13,20 @@
 //! - `FinalizeCacheEntryUpload {key, version, size_bytes}` → `{ok, entry_id}`.
 //! - `GetCacheEntryDownloadURL {key, restore_keys, version}` → `{ok, signed_download_url,
 //!   matched_key}`, or `{ok: false}` on a miss.
+//!
+//! An adapter, as [`crate::v1`] is, over the same rooms ([`crate::uploads`],
+//! [`crate::restore`]); it names its saves by key where v1 names them by id.
 
 use bytes::Bytes;
 use serde::Deserialize;
 
 use crate::{
-    CacheError, Refusal, Response, Scope,
-    http::{BoxError, json, read_bytes, read_json, respond},
-    lookup::{check_key, check_version},
+    error::CacheError,
+    http::{BoxError, Response, json, percent_decode, read_bytes, read_json, respond},
+    refusal::Refusal,
     restore::Restores,
-    store::Storage,
-    uploads::{Begun, Finished, Piece, Uploads},
-    v1::percent_decode,
+    scope::Scope,
+    uploads::{Begun, Finished, Piece, Uploads, new_id},
 };
 
 /// The largest block list read (a 10 GiB archive in 64 MiB blocks names 160).
@@ -79,118 +81,83 @@ fn not_ok() -> Response {
     json(200, &serde_json::json!({ "ok": false }))
 }
 
-pub(crate) async fn create<B>(uploads: &Uploads, scope: &Scope, base: &str, body: B) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn create<B>(uploads: &Uploads, scope: &Scope, base: &str, body: B) -> Result<Response, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send,
     B::Error: Into<BoxError>,
 {
-    let request: Create = match read_json(body).await {
-        Ok(request) => request,
-        Err(problem) => return Ok(Err(Refusal::malformed(problem))),
-    };
-    // Its record and the pending name of its key.
-    Ok(match uploads.begin(scope, &request.key, &request.version, 0, 2).await? {
-        Begun::Started(upload) => {
-            // Finalize names the key, not the upload: the latest upload of the key is the one.
-            let pending = Storage::pending_path(&scope.repository, &scope.write, &request.version, &request.key);
-            uploads.storage().put_json(&pending, &upload.id).await?;
-            Ok(json(200, &serde_json::json!({ "ok": true, "signed_upload_url": format!("{base}/_apis/artifactcache/blobs/{}", upload.id) })))
-        }
-        Begun::Exists => Ok(not_ok()),
-        Begun::Refused(refusal) => Err(refusal),
+    let request: Create = read_json(body).await.map_err(Refusal::malformed)?;
+    Ok(match uploads.begin_by_key(scope, &request.key, &request.version).await? {
+        Begun::Started(upload) => json(200, &serde_json::json!({ "ok": true, "signed_upload_url": contract::cache::blob_url(base, upload.id) })),
+        Begun::Exists => not_ok(),
     })
 }
 
-pub(crate) async fn finalize<B>(uploads: &Uploads, scope: &Scope, body: B) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn finalize<B>(uploads: &Uploads, scope: &Scope, body: B) -> Result<Response, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send,
     B::Error: Into<BoxError>,
 {
-    let request: Finalize = match read_json(body).await {
-        Ok(request) => request,
-        Err(problem) => return Ok(Err(Refusal::malformed(problem))),
-    };
+    let request: Finalize = read_json(body).await.map_err(Refusal::malformed)?;
     let size = match &request.size_bytes {
         None => Some(0),
         Some(serde_json::Value::String(text)) => text.parse().ok(),
         Some(serde_json::Value::Number(number)) => number.as_u64(),
         Some(_) => None,
     };
-    let Some(size) = size else { return Ok(Err(Refusal::malformed("size_bytes is not a byte count"))) };
-    let pending = Storage::pending_path(&scope.repository, &scope.write, &request.version, &request.key);
-    let Some(id) = uploads.storage().get_json::<u64>(&pending).await? else { return Ok(Ok(not_ok())) };
-    let Ok(upload) = uploads.own(scope, &id.to_string()).await? else { return Ok(Ok(not_ok())) };
-    let finished = uploads.finish(&upload, size).await?;
-    uploads.storage().delete(&pending).await?;
-    Ok(match finished {
-        Finished::Committed(entry) => Ok(json(200, &serde_json::json!({ "ok": true, "entry_id": entry.id.to_string() }))),
-        Finished::Exists => Ok(not_ok()),
-        Finished::Refused(refusal) => Err(refusal),
+    let size = size.ok_or_else(|| Refusal::malformed("size_bytes is not a byte count"))?;
+    Ok(match uploads.finish_by_key(scope, &request.key, &request.version, size).await? {
+        Some(Finished::Committed(entry)) => json(200, &serde_json::json!({ "ok": true, "entry_id": entry.id.to_string() })),
+        // No save of the key open to this job, or another committed first: the client
+        // says so quietly and goes on.
+        None | Some(Finished::Exists) => not_ok(),
     })
 }
 
-pub(crate) async fn download_url<B>(restores: &Restores, scope: &Scope, base: &str, body: B) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn download_url<B>(restores: &Restores, scope: &Scope, base: &str, body: B) -> Result<Response, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send,
     B::Error: Into<BoxError>,
 {
-    let request: DownloadUrl = match read_json(body).await {
-        Ok(request) => request,
-        Err(problem) => return Ok(Err(Refusal::malformed(problem))),
-    };
+    let request: DownloadUrl = read_json(body).await.map_err(Refusal::malformed)?;
     let keys: Vec<String> = std::iter::once(request.key).chain(request.restore_keys).collect();
-    if let Some(problem) = keys.iter().find_map(|key| check_key(key).err()).or_else(|| check_version(&request.version).err()) {
-        return Ok(Err(Refusal::malformed(problem)));
-    }
-    Ok(Ok(match restores.restore(scope, &keys, &request.version).await? {
+    Ok(match restores.restore(scope, &keys, &request.version).await? {
         Some(entry) => json(
             200,
             &serde_json::json!({
                 "ok": true,
-                "signed_download_url": format!("{base}/_apis/artifactcache/artifacts/{}", entry.id),
+                "signed_download_url": contract::cache::archive_url(base, entry.id),
                 "matched_key": entry.key,
             }),
         ),
         None => not_ok(),
-    }))
+    })
 }
 
 /// `PUT blobs/{id}`: the whole archive, a block of it, or the list that orders the blocks.
-pub(crate) async fn blob<B>(
-    uploads: &Uploads,
-    scope: &Scope,
-    id: &str,
-    query: &str,
-    headers: &http::HeaderMap,
-    body: B,
-) -> Result<Result<Response, Refusal>, CacheError>
+pub(crate) async fn blob<B>(uploads: &Uploads, scope: &Scope, id: &str, query: &str, headers: &http::HeaderMap, body: B) -> Result<Response, CacheError>
 where
     B: http_body::Body<Data = Bytes> + Send + Unpin,
     B::Error: Into<BoxError>,
 {
-    let upload = match uploads.own(scope, id).await? {
-        Ok(upload) => upload,
-        Err(refusal) => return Ok(Err(refusal)),
-    };
+    let upload = uploads.own(scope, id).await?;
     let pairs: Vec<(&str, &str)> = query.split('&').filter_map(|pair| pair.split_once('=')).collect();
     let value = |name: &str| pairs.iter().find(|(key, _)| key.eq_ignore_ascii_case(name)).map(|(_, value)| *value);
     let length = headers.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     let piece = match value("comp").map(str::to_ascii_lowercase).as_deref() {
         Some("blocklist") => {
-            let list = match read_bytes(body, MAX_BLOCK_LIST).await {
-                Ok(list) => list,
-                Err(problem) => return Ok(Err(Refusal::malformed(problem))),
-            };
-            let ordered = uploads.order_blocks(&upload, &block_list(&String::from_utf8_lossy(&list))).await?;
-            return Ok(ordered.map(|()| created()));
+            let list = read_bytes(body, MAX_BLOCK_LIST).await.map_err(Refusal::malformed)?;
+            uploads.order_blocks(&upload, &block_list(&String::from_utf8_lossy(&list))).await?;
+            return Ok(created());
         }
         Some("block") => match value("blockid").map(percent_decode) {
             Some(block) if !block.is_empty() && block.len() <= 256 => Piece::Block(block),
-            _ => return Ok(Err(Refusal::malformed("a block needs a blockid"))),
+            _ => return Err(Refusal::malformed("a block needs a blockid").into()),
         },
         _ => Piece::Part(0),
     };
-    Ok(uploads.write(&upload, piece, length, body).await?.map(|_| created()))
+    uploads.write(&upload, piece, length, body).await?;
+    Ok(created())
 }
 
 /// `<BlockList><Latest>id</Latest>…</BlockList>` → the ids in order. Hand-read: the list
@@ -215,7 +182,7 @@ fn block_list(xml: &str) -> Vec<String> {
 
 fn created() -> Response {
     let mut response = respond(201, None, Bytes::new());
-    let request_id = crate::new_id().unwrap_or(1).to_string();
+    let request_id = new_id().unwrap_or(1).to_string();
     if let Ok(value) = http::HeaderValue::from_str(&request_id) {
         // The Azure SDK reads it from every answer.
         response.headers_mut().insert("x-ms-request-id", value);

@@ -4,7 +4,8 @@
 //! - [`facade`]: the forms of the facade's URL and which addresses plain HTTP may use;
 //! - [`units`]: how sizes and durations are written in settings, for both binaries;
 //! - [`backoff`]: the one retry pause of every loop;
-//! - [`cache`]: where the jobs' cache is served in an environment, and how the supervisor
+//! - [`cache`]: where the jobs' cache is served in an environment, which requests are its
+//!   ([`cache::Call`], the route table of its protocol), and how the supervisor
 //!   forwards it to the facade;
 //! - [`exit`]: the supervisor's own exit codes, and what each means to the controller
 //!   that sees an environment end with one;

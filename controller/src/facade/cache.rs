@@ -15,7 +15,10 @@ use std::{
     task::{Context, Poll},
 };
 
-use ::cache::{Cache, Scope, api::Call};
+use ::cache::{
+    Cache, Scope,
+    api::{Call, call_of, without_cache},
+};
 use proto::{facade::v1::AssignmentCredential, runner::v1::Task};
 
 use super::{Facade, Peer};
@@ -64,12 +67,14 @@ impl CacheRoute {
     async fn answer(&self, request: http::Request<Body>) -> ::cache::Response {
         let (mut parts, body) = request.into_parts();
         let path = parts.uri.path().strip_prefix(PREFIX).unwrap_or("/").to_owned();
-        let call = Call::of(&parts.method, &path);
+        // The cache's own route table: whether the request may come without the token, and
+        // what to say where no cache is kept.
+        let call = call_of(&parts.method, &path);
         let (scope, base) = match self.admit(&parts, &call).await {
             Ok(admitted) => admitted,
             Err((status, message)) => return ::cache::http::message(status, message),
         };
-        let Some(cache) = &self.cache else { return call.without_cache(NO_CACHE) };
+        let Some(cache) = &self.cache else { return without_cache(&call, NO_CACHE) };
         let path_and_query = match parts.uri.query() {
             Some(query) => format!("{path}?{query}"),
             None => path,

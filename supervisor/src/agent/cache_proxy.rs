@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use connect::{BoxBody, Fallback};
+use contract::cache::Call;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
@@ -51,7 +52,8 @@ fn handler(facade: FacadeClient, secret: Arc<String>, gitea: Fallback) -> Fallba
             match request.uri().path() {
                 "/_internal/register" => register(&request, &secret),
                 "/_internal/revoke" => json(StatusCode::OK, "{}"),
-                path if contract::cache::is_cache(path) => forward(&facade, request).await,
+                // The cache protocol's own route table says which requests are the cache's.
+                path if Call::classify(request.method(), path).is_some() => forward(&facade, request).await,
                 _ => gitea(request).await,
             }
         })
