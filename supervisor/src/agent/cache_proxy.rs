@@ -9,8 +9,8 @@
 //! environment alone. The registration names a repository; nothing here uses it. The
 //! answer's results URL decides which API gitea-runner advertises: this listener (v2)
 //! where the environment's Node.js has the global Web Crypto the v2 client's Azure
-//! uploads need (Node ≥ 19; Debian 12's Node 18 has not), else none (v1, which every
-//! client speaks). What is not the cache (the v2 `ArtifactService` that
+//! uploads need (Node ≥ 19: the runner image's Node.js 24 has it; a derived image with an
+//! older `node` gets v1), else none (v1, which every client speaks). What is not the cache (the v2 `ArtifactService` that
 //! `ACTIONS_RESULTS_URL` points here too when v2 is advertised) goes on to Gitea, as the
 //! loopback's pass-through does.
 
