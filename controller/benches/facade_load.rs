@@ -155,10 +155,12 @@ fn main() {
         let controller = start_controller(dir.path(), &gitea, &nats.url, assignments);
         let pid = controller.id().unwrap();
         let envs = dir.path().join("envs");
-        let waiting = Instant::now();
-        while environments(&envs).len() < assignments {
-            assert!(waiting.elapsed() < Duration::from_secs(180), "only {} environments after 180 s", environments(&envs).len());
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let created = testkit::poll(Duration::from_secs(180), || {
+            let created = environments(&envs).len();
+            std::future::ready(if created < assignments { Err(created) } else { Ok(()) })
+        });
+        if let Err(created) = created.await {
+            panic!("only {created} environments after 180 s");
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
         let rss_idle = status_kib(pid, "VmRSS:");

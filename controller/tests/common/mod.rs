@@ -1,6 +1,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub use testkit::fake_gitea;
+pub mod counting_store;
 pub mod dockerd;
 pub mod memory_driver;
 

@@ -125,7 +125,7 @@ async fn harness(jobs: usize, capacity: usize) -> Harness {
 
 /// Waits until the worker created `n` environments; returns (assignment id, capability) pairs.
 async fn environments(h: &Harness, n: usize) -> Vec<(String, String)> {
-    for _ in 0..500 {
+    testkit::wait_for(&format!("the worker created {n} environments"), Duration::from_secs(10), || {
         let envs: Vec<(String, String)> = h
             .driver
             .recorded
@@ -135,12 +135,9 @@ async fn environments(h: &Harness, n: usize) -> Vec<(String, String)> {
             .values()
             .map(|(spec, _)| (spec.env["CI_ASSIGNMENT_ID"].clone(), spec.env["CI_RUNNER_CAPABILITY"].clone()))
             .collect();
-        if envs.len() >= n {
-            return envs;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the worker did not create {n} environments");
+        (envs.len() >= n).then_some(envs)
+    })
+    .await
 }
 
 fn credential(id: &str, capability: &str) -> Option<AssignmentCredential> {

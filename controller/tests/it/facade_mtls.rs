@@ -62,15 +62,20 @@ async fn claim_retrying(
     client: &mut FacadeServiceClient<tonic::transport::Channel>,
     request: &ClaimRequest,
 ) -> Result<tonic::Response<proto::facade::v1::ClaimResponse>, tonic::Status> {
-    for _ in 0..20 {
-        match client.claim(request.clone()).await {
-            Err(status) if status.code() == tonic::Code::Unavailable || (status.code() == tonic::Code::Unknown && status.message() == "transport error") => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+    let retried = testkit::poll(Duration::from_secs(5), || {
+        let mut client = client.clone();
+        async move {
+            match client.claim(request.clone()).await {
+                Err(status)
+                    if status.code() == tonic::Code::Unavailable || (status.code() == tonic::Code::Unknown && status.message() == "transport error") =>
+                {
+                    Err(status)
+                }
+                other => Ok(other),
             }
-            other => return other,
         }
-    }
-    client.claim(request.clone()).await
+    });
+    retried.await.unwrap_or_else(Err)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

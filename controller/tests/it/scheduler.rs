@@ -8,7 +8,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::common::fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN};
+use crate::common::{
+    counting_store::{CountingStore, Event},
+    fake_gitea::{FakeGitea, Job, REGISTRATION_TOKEN},
+};
 use controller::{
     assignment::{
         Assignment, Placement, Rules,
@@ -278,16 +281,12 @@ async fn an_outage_of_gitea_is_ridden_out_and_tasks_version_is_honoured() {
     fake.with(|s| s.fail_fetches = 3);
     let mut started = start(&fake, dir.path(), 4).await;
     // Idle polls with the latest tasks_version: Gitea is asked, but not to pick a task.
-    let polled = async {
-        while fake.with(|s| s.fetches) < 8 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(20), polled).await.expect("the loops stopped polling through the outage");
+    testkit::wait_until("the loops poll through the outage (8 fetches)", Duration::from_secs(20), || fake.with(|s| s.fetches) >= 8).await;
     assert_eq!(fake.with(|s| s.fail_fetches), 0, "the outage was not ridden out");
-    let picks_while_idle = fake.with(|s| s.picks);
+    let (picks_while_idle, fetches) = fake.with(|s| (s.picks, s.fetches));
     assert!(picks_while_idle <= 4, "idle polls with the latest tasks_version asked Gitea to pick: {picks_while_idle}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Two more rounds of the 4 loops' idle polls: with the latest tasks_version, none picks.
+    testkit::wait_until("8 more idle polls", Duration::from_secs(20), || fake.with(|s| s.fetches) >= fetches + 8).await;
     assert_eq!(fake.with(|s| s.picks), picks_while_idle, "polls with the latest tasks_version must not pick");
     fake.add_job(Job::new(&["disposable", "container", "docker"]));
     collect(&mut started.outcomes, 1).await;
@@ -305,12 +304,17 @@ async fn a_full_placement_leaves_its_jobs_waiting_in_gitea() {
     let dir = tempfile::tempdir().unwrap();
     fake.add_job(Job::new(&["disposable", "container", "docker"]));
     fake.add_job(Job::new(&["disposable", "container", "docker"]));
-    let mut started = start(&fake, dir.path(), 1).await;
+    let store = CountingStore::new(Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap()));
+    let mut started = start_with(&fake, dir.path(), 1, Arc::clone(&store) as Arc<dyn Store>).await;
     let first = match collect(&mut started.outcomes, 1).await.remove(0) {
         Outcome::Persisted { assignment_id, .. } => assignment_id,
         other => panic!("{other:?}"),
     };
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The full loop's chance: it looks again at the store for room (is the first
+    // assignment over?), and still does not fetch.
+    let seen = store.events().len();
+    let looked = Event::Get { assignment_id: first.clone() };
+    testkit::wait_until("the full loop looked at its room again", Duration::from_secs(10), || store.events()[seen..].contains(&looked)).await;
     fake.with(|s| {
         assert_eq!(s.tasks.len(), 1, "a task was fetched beyond capacity");
         assert_eq!(s.waiting.len(), 1, "the second job must wait in Gitea");
@@ -373,18 +377,18 @@ async fn two_schedulers_of_one_registration_take_turns() {
         fake.add_job(Job::new(&["disposable", "container", "docker"]));
     }
     let registrations = Registrations::open(&settings(&fake, dir.path()), &[DOCKER]).await.unwrap();
-    let store: Arc<dyn Store> = Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap());
+    let store = CountingStore::new(Arc::new(Embedded::open(&dir.path().join("store.redb")).unwrap()));
     let replica = |lease_ttl: Duration| {
         let mut placements = Placements::new();
         placements.add(DOCKER, 1, None);
         let (observer, outcomes) = tokio::sync::mpsc::unbounded_channel();
         let config = crate::common::scheduler_config(rules());
         let scheduler = Arc::new(
-            Scheduler::new(DOCKER, registrations.fetcher(DOCKER).unwrap().clone(), Arc::clone(&store), placements.clone(), config)
+            Scheduler::new(DOCKER, registrations.fetcher(DOCKER).unwrap().clone(), Arc::clone(&store) as Arc<dyn Store>, placements.clone(), config)
                 .with_observer(observer)
                 .with_lease_ttl(lease_ttl),
         );
-        let lifecycle = Lifecycle::new(Arc::clone(&store), placements, registrations.clone());
+        let lifecycle = Lifecycle::new(Arc::clone(&store) as Arc<dyn Store>, placements, registrations.clone());
         (scheduler, lifecycle, outcomes)
     };
     let unfinished = || fake.with(|s| s.tasks.values().filter(|t| t.final_result.is_none()).count());
@@ -396,8 +400,15 @@ async fn two_schedulers_of_one_registration_take_turns() {
         Outcome::Persisted { assignment_id, .. } => assignment_id,
         other => panic!("{other:?}"),
     };
+    let leader = store.events().iter().find_map(|e| match e {
+        Event::Lease { holder, granted: true } => Some(holder.clone()),
+        _ => None,
+    });
+    let refused_to_standby =
+        || store.events().iter().filter(|e| matches!(e, Event::Lease { holder, granted: false } if Some(holder) != leader.as_ref())).count();
     let running_second = tokio::spawn(Arc::clone(&second).run(stop_second.clone()));
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The standby's chances: it asked for the lease twice, was refused, and did not fetch.
+    testkit::wait_until("the standby was refused the lease twice", Duration::from_secs(10), || refused_to_standby() >= 2).await;
     assert_eq!(fake.with(|s| s.tasks.len()), 1, "the standby fetched beyond the capacity of 1");
     assert!(second_outcomes.try_recv().is_err());
 
@@ -405,7 +416,16 @@ async fn two_schedulers_of_one_registration_take_turns() {
     // once, counts that assignment, and fetches only once it has ended.
     stop_first.cancel();
     running_first.await.unwrap().unwrap();
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Its chance: it took the lease, then looked at its room (is that assignment over?)
+    // — since the leader stopped, only it reads the store.
+    let stopped = store.events().len();
+    let looked = Event::Get { assignment_id: assignment.clone() };
+    testkit::wait_until("the standby took over and looked at its room", Duration::from_secs(10), || {
+        let events = store.events();
+        let took = events.iter().position(|e| matches!(e, Event::Lease { holder, granted: true } if Some(holder) != leader.as_ref()));
+        took.is_some_and(|took| events[took.max(stopped)..].contains(&looked))
+    })
+    .await;
     assert_eq!(unfinished(), 1, "the new leader fetched while an assignment was live");
     assert_eq!(fake.with(|s| s.tasks.len()), 1);
     first_lifecycle.finish(&assignment, TaskResult::Success as i32).await.unwrap();

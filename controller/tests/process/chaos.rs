@@ -271,18 +271,7 @@ async fn agent(env: Env, envs: Environments, ledger: Shared, work: Duration, sto
     let sockets = vec![env.socket.clone()];
     let credential = Some(AssignmentCredential { assignment_id: env.assignment_id.clone(), capability: env.capability.clone() });
     let claim = ClaimRequest { credential, holder: format!("agent-{}", env.name) };
-    let (task, session) = loop {
-        if stop.is_cancelled() || is_killed(&ledger, &env.name) {
-            return;
-        }
-        match claim_anywhere(&sockets, &claim).await {
-            Ok(claimed) => break claimed,
-            Err(status) if matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Internal | Code::Cancelled) => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(_) => return,
-        }
-    };
+    let Some((task, session)) = ask_until_final(&env, &ledger, &stop, || claim_anywhere(&sockets, &claim)).await else { return };
     ledger.lock().unwrap().ran.entry(task.id).or_default().insert(env.name.clone());
     tokio::time::sleep(work).await;
     let done = UpdateTaskRequest {
@@ -297,24 +286,36 @@ async fn agent(env: Env, envs: Environments, ledger: Shared, work: Duration, sto
             outputs: Default::default(),
         }),
     };
-    loop {
-        if stop.is_cancelled() || is_killed(&ledger, &env.name) {
-            return;
-        }
-        match report_anywhere(&sockets, &done).await {
-            Ok(()) => {
-                ledger.lock().unwrap().reported.insert(env.name.clone());
-                // The runner exits after its final report, and the supervisor, PID 1,
-                // with it: the environment ends on its own.
-                envs.end(&env.name).await;
-                return;
-            }
-            Err(status) if matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Internal | Code::Cancelled) => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(_) => return,
-        }
+    if ask_until_final(&env, &ledger, &stop, || report_anywhere(&sockets, &done)).await.is_some() {
+        ledger.lock().unwrap().reported.insert(env.name.clone());
+        // The runner exits after its final report, and the supervisor, PID 1, with it: the
+        // environment ends on its own.
+        envs.end(&env.name).await;
     }
+}
+
+/// Asks (a facade, through `ask`) again while the answer is a transient failure, until
+/// the agent is killed or the campaign stops; `None` then, or on a final refusal.
+async fn ask_until_final<T, Fut>(env: &Env, ledger: &Shared, stop: &CancellationToken, mut ask: impl FnMut() -> Fut) -> Option<T>
+where
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let answered = testkit::poll(Duration::MAX, || {
+        let asked = ask();
+        async move {
+            if stop.is_cancelled() || is_killed(ledger, &env.name) {
+                return Ok(None);
+            }
+            match asked.await {
+                Ok(answer) => Ok(Some(answer)),
+                Err(status) if matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Internal | Code::Cancelled) => {
+                    Err(status)
+                }
+                Err(_) => Ok(None),
+            }
+        }
+    });
+    answered.await.ok().flatten()
 }
 
 /// Starts an agent for every new environment until `stop`.
@@ -366,31 +367,32 @@ async fn standing(gitea: &FakeGitea, store: &JetStream) -> Result<BTreeMap<i64, 
 /// record for 3 s; returns the tasks that did not finish within [`SETTLE`], those lost,
 /// and how many jobs were still waiting in Gitea then (never fetched).
 async fn settle(gitea: &FakeGitea, store: &JetStream) -> (Vec<i64>, Vec<i64>, usize) {
-    let deadline = Instant::now() + SETTLE;
-    let mut quiet_since: Option<Instant> = None;
-    loop {
+    let quiet_since = std::cell::Cell::new(None::<Instant>);
+    // Ok: the tasks lost (no record for 3 s). Not yet: the open ones, those without a
+    // record and the jobs waiting in Gitea — or the store's error.
+    let settled = testkit::poll(SETTLE, || async {
         let waiting = gitea.with(|s| s.waiting.len());
-        let now = standing(gitea, store).await;
-        if let Ok(now) = &now {
-            let open: Vec<i64> = now.iter().filter(|(_, s)| **s == Standing::Open).map(|(id, _)| *id).collect();
-            let no_record: Vec<i64> = now.iter().filter(|(_, s)| **s == Standing::NoRecord).map(|(id, _)| *id).collect();
-            if waiting == 0 && open.is_empty() {
-                let since = *quiet_since.get_or_insert_with(Instant::now);
-                if no_record.is_empty() || since.elapsed() > Duration::from_secs(3) {
-                    return (Vec::new(), no_record, 0);
-                }
-            } else {
-                quiet_since = None;
+        let now = standing(gitea, store).await.map_err(Err)?;
+        let open: Vec<i64> = now.iter().filter(|(_, s)| **s == Standing::Open).map(|(id, _)| *id).collect();
+        let no_record: Vec<i64> = now.iter().filter(|(_, s)| **s == Standing::NoRecord).map(|(id, _)| *id).collect();
+        if waiting == 0 && open.is_empty() {
+            let since = quiet_since.get().unwrap_or_else(Instant::now);
+            quiet_since.set(Some(since));
+            if no_record.is_empty() || since.elapsed() > Duration::from_secs(3) {
+                return Ok(no_record);
             }
-            if Instant::now() > deadline {
-                let mut unfinished = open;
-                unfinished.extend(no_record.iter().copied());
-                return (unfinished, Vec::new(), waiting);
-            }
-        } else if Instant::now() > deadline {
-            panic!("the store did not answer within {SETTLE:?}: {now:?}");
+        } else {
+            quiet_since.set(None);
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        Err(Ok((open, no_record, waiting)))
+    });
+    match settled.await {
+        Ok(lost) => (Vec::new(), lost, 0),
+        Err(Ok((mut unfinished, no_record, waiting))) => {
+            unfinished.extend(no_record);
+            (unfinished, Vec::new(), waiting)
+        }
+        Err(Err(error)) => panic!("the store did not answer within {SETTLE:?}: {error}"),
     }
 }
 
@@ -482,13 +484,14 @@ impl Rig {
         let mut replicas = [replica(d, "a", &gitea, &nats_url, &envs), replica(d, "b", &gitea, &nats_url, &envs)];
         // The first registers; the second finds the credentials.
         replicas[0].start();
-        let waiting = Instant::now();
-        while !d.join("runners").read_dir().is_ok_and(|mut e| e.next().is_some()) {
-            let exited = replicas[0].exited();
-            if exited.is_some() || waiting.elapsed() > Duration::from_secs(120) {
-                panic!("the first replica did not register ({exited:?}):\n{}", replicas[0].log_tail(200));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let first = &mut replicas[0];
+        // Ok(None) once registered, Ok(Some) if it exited first.
+        let registered = testkit::poll(Duration::from_secs(120), || {
+            let registered = d.join("runners").read_dir().is_ok_and(|mut e| e.next().is_some());
+            std::future::ready(if registered { Ok(None) } else { first.exited().map(Some).ok_or(()) })
+        });
+        if let Err(()) | Ok(Some(_)) = registered.await {
+            panic!("the first replica did not register ({:?}):\n{}", replicas[0].exited(), replicas[0].log_tail(200));
         }
         replicas[1].start();
         let store = JetStream::connect_replicated(&nats_url, SUBJECT, BUCKET, Duration::from_secs(30), 3).await.unwrap();

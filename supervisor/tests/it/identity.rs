@@ -21,23 +21,29 @@ async fn job_starts_only_on_the_exact_spiffe_id() {
         &["--identity=true", &format!("--spiffe-id={EXPECTED}"), &format!("--spiffe-endpoint={}", fake.endpoint()), "--identity-timeout=60s"],
         &format!("touch {}", started.display()),
     ));
-    let mut supervisor = command.stdin(Stdio::null()).kill_on_drop(true).spawn().unwrap();
+    // The agent's log, to see which offers it has judged.
+    let log = dir.path().join("supervisor.log");
+    let mut supervisor = command.stdin(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()).kill_on_drop(true).spawn().unwrap();
+    let logged = || std::fs::read_to_string(&log).unwrap_or_default();
 
     // Refused: the agent keeps asking (and reconnecting), the job does not start.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    testkit::wait_until("the agent asked again after a refusal", Duration::from_secs(30), || fake.calls_with_header() >= 2).await;
     assert!(!started.exists(), "the job started without an identity");
     let refused_calls = fake.calls_with_header();
-    assert!(refused_calls >= 2, "the agent did not retry after a refusal: {refused_calls} calls");
 
-    // A wrong ID (and one that only shares a prefix) must not do.
+    // A wrong ID (and one that only shares a prefix) must not do: once the agent has
+    // judged that offer (and logged so), the job has not started.
     fake.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/other/build".into(), format!("{EXPECTED}-x")]));
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    testkit::wait_until("the agent judged the wrong IDs", Duration::from_secs(30), || {
+        logged().lines().any(|l| l.contains("offers other identities") && l.contains(&format!("{EXPECTED}-x")))
+    })
+    .await;
     assert!(!started.exists(), "the job started with the wrong identity");
 
     // The exact ID, as the second SVID of the update: proceed.
     fake.set(Offer::Ids(vec!["spiffe://example.org/ci/owner/other/build".into(), EXPECTED.into()]));
     let status = tokio::time::timeout(Duration::from_secs(30), supervisor.wait()).await.unwrap().unwrap();
-    assert!(status.success(), "{status}");
+    assert!(status.success(), "{status}\n{}", logged());
     assert!(started.exists());
     assert_eq!(fake.calls_without_header(), 0, "a call lacked workload.spiffe.io: true");
     assert!(fake.calls_with_header() > refused_calls);
@@ -78,25 +84,38 @@ async fn job_started_hook_waits_for_identity_and_names_what_is_missing() {
     .unwrap();
     let socket = state.join("agent/agent.sock");
     let hook = |timeout: &str| {
-        tokio::process::Command::new(SUPERVISOR).args(["job-started", &format!("--socket={}", socket.display()), &format!("--timeout={timeout}")]).output()
+        tokio::process::Command::new(SUPERVISOR)
+            .args(["job-started", &format!("--socket={}", socket.display()), &format!("--timeout={timeout}")])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
     };
 
     // Not ready within the hook's deadline: non-zero, naming identity.
-    let output = hook("1s").await.unwrap();
+    let output = hook("1s").wait_with_output().await.unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(74), "{stderr}");
     assert!(stderr.contains("identity: waiting"), "{stderr}");
     assert!(!stderr.contains("dockerd:"), "dockerd is off and must not be named: {stderr}");
 
     // Identity arrives while the hook waits: it returns 0.
-    let waiting = tokio::spawn(hook("30s"));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting = hook("30s");
+    let pid = waiting.id().unwrap();
+    testkit::wait_until("the hook is connected to the agent", Duration::from_secs(30), || holds_a_socket(pid)).await;
     fake.set(Offer::Ids(vec![EXPECTED.into()]));
-    let output = waiting.await.unwrap().unwrap();
+    let output = waiting.wait_with_output().await.unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout} {}", String::from_utf8_lossy(&output.stderr));
     assert!(stdout.contains(EXPECTED), "{stdout}");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(supervisor.id().unwrap() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     let status = tokio::time::timeout(Duration::from_secs(30), supervisor.wait()).await.unwrap().unwrap();
     assert_eq!(status.code(), Some(143));
+}
+
+/// Whether process `pid` has a socket open (the hook: its connection to the agent; it
+/// inherits none, its standard streams are pipes).
+fn holds_a_socket(pid: u32) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    fds.flatten().any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target.to_string_lossy().starts_with("socket:")))
 }

@@ -303,7 +303,8 @@ async fn a_runner_without_hooks_is_held_until_dockerd_is_ready() {
 
     let ready = lb.ready.clone();
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Ready once the fetch is held: a held fetch waits on a receiver of its own.
+        testkit::wait_until("the fetch is held", Duration::from_secs(5), || ready.receiver_count() >= 2).await;
         ready.send(true).unwrap();
     });
     let started = Instant::now();

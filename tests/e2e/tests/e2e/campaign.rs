@@ -335,14 +335,12 @@ async fn random_faults_with_real_environments_lose_no_job() {
     }
 
     // The end: nothing left behind.
-    let gone = Instant::now() + Duration::from_secs(120);
-    while !host().containers(&label).is_empty() && Instant::now() < gone {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    // Not asserted here: what is left after 120 s is counted as leaked.
+    let patience = Duration::from_secs(120);
+    let ending = Instant::now();
+    let _ = testkit::poll(patience, || std::future::ready(if host().containers(&label).is_empty() { Ok(()) } else { Err(()) })).await;
     tally.leaked.extend(host().containers(&label));
-    while loop_devices() > loops_before && Instant::now() < gone {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let _ = testkit::poll(patience.saturating_sub(ending.elapsed()), || std::future::ready(if loop_devices() > loops_before { Err(()) } else { Ok(()) })).await;
     if loop_devices() > loops_before {
         tally.leaked.push(format!("{} loop devices", loop_devices() - loops_before));
     }
@@ -384,24 +382,25 @@ async fn kill_one(store: &JetStream, label: &str, state: impl Fn(&State) -> bool
 /// (Gitea ends it after its zombie timeout): no need to wait longer for it.
 async fn settle(gitea: &Gitea, store: &JetStream, repo: &Repo) -> Vec<TaskInfo> {
     let started = Instant::now();
-    loop {
+    // Err: the tasks so far, not settled yet; after SETTLE, the last of them.
+    let settled = testkit::poll(SETTLE, || async {
         let tasks = gitea.tasks(repo).await;
         let open: Vec<&TaskInfo> = tasks.iter().filter(|t| t.is_open()).collect();
-        if (tasks.len() >= JOBS && open.is_empty()) || started.elapsed() > SETTLE {
-            return tasks;
+        if tasks.len() >= JOBS && open.is_empty() {
+            return Ok(tasks);
         }
+        let mut unrecorded = 0;
         if tasks.len() >= JOBS && started.elapsed() > Duration::from_secs(60) {
-            let mut unrecorded = 0;
             for task in &open {
                 if store.get(&format!("gitea-task-{}", task.id)).await.ok().flatten().is_none() {
                     unrecorded += 1;
                 }
             }
-            if unrecorded == open.len() {
-                return tasks;
-            }
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        if unrecorded > 0 && unrecorded == open.len() { Ok(tasks) } else { Err(tasks) }
+    });
+    match settled.await {
+        Ok(tasks) | Err(tasks) => tasks,
     }
 }
 
