@@ -6,7 +6,7 @@
 //! aliases `pod-worker` (container.kubernetes) and `vm-worker` (vm.opensandbox).
 //! Records live in the store, so the components may run in separate processes.
 
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration};
 
 use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
@@ -18,7 +18,7 @@ use crate::{
     facade,
     gitea::registrations::{RegistrationSettings, Registrations},
     metrics::{Metrics, PlacementLabel},
-    pipeline::Pipeline,
+    pipeline::{Connect, Pipeline, Running},
     placements::Placements,
     scheduler::{Scheduler, SchedulerConfig, keepalive::KeepAlive},
     store::{Store, embedded::Embedded, jetstream::JetStream},
@@ -280,9 +280,11 @@ pub struct Overrides {
 pub async fn run_with(config: Config, components: Components, overrides: Overrides, shutdown: CancellationToken) -> anyhow::Result<()> {
     let Overrides { drivers, store } = overrides;
     let metrics = Arc::new(Metrics::new());
-    let mut tasks = Tasks::new();
     let wake = crate::scheduler::wake::Wake::default();
-    serve_http(&config, &metrics, &wake, &mut tasks, &shutdown).await?;
+    // Health and metrics answer while the store and Gitea are still being reached; the
+    // set aborts the server if the start fails.
+    let mut http = tokio::task::JoinSet::new();
+    http.spawn(serve_http(&config, &metrics, &wake, &shutdown).await?);
     let store = match store {
         Some(store) => store,
         None => open_store(&config).await?,
@@ -301,42 +303,50 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
         .session_ttl(config.facade.capability_ttl)
         .build()
         .context("facade.environment_socket_dir")?;
-    spawn_workers(&pipeline, &config, &components, &mut tasks, &shutdown);
+    let mut running = pipeline.start(Some(connector(&config)), shutdown.clone());
+    running.spawn("http", async move { http.join_next().await.unwrap_or(Ok(Ok(()))).map_err(anyhow::Error::from)? });
     if components.facade {
-        spawn_facade(&pipeline, &config, &mut tasks, &shutdown).await?;
+        spawn_facade(&mut running, &config).await?;
     }
     if components.scheduler {
-        spawn_schedulers(&pipeline, &config, &wake, &mut tasks, &shutdown);
+        spawn_schedulers(&mut running, &config, &wake);
     }
-    spawn_pruning(&pipeline, &config, &mut tasks, &shutdown);
+    spawn_pruning(&mut running, &config);
     if let Some(cache) = cache {
         let (interval, shutdown) = (config.cache.sweep_interval, shutdown.clone());
-        tasks.spawn(async move {
+        running.spawn("cache sweep", async move {
             cache.sweep_loop(interval, shutdown).await;
-            Ok(())
+            Ok::<(), Infallible>(())
         });
     }
-    spawn_gauges(&pipeline, &mut tasks, &shutdown);
-    spawn_readiness(&pipeline, &mut tasks, &shutdown);
-    tracing::info!(components = ?components, placements = ?pipeline.placements().enabled(), "controller running");
-    let outcome = join(tasks, &shutdown, JOIN_DEADLINE).await;
-    pipeline.lifecycle().drain(Duration::from_secs(10)).await;
-    outcome
+    spawn_gauges(&mut running);
+    spawn_readiness(&mut running);
+    tracing::info!(components = ?components, placements = ?running.pipeline().placements().enabled(), "controller running");
+    let outcome = running.ended().await;
+    let drained = running.drain(JOIN_DEADLINE).await;
+    outcome.and(drained)
 }
 
 /// How long components may take to stop after the shutdown signal.
 const JOIN_DEADLINE: Duration = Duration::from_secs(30);
 
-type Tasks = tokio::task::JoinSet<anyhow::Result<()>>;
+/// Connects, for a placement whose backend did not answer at start, its driver.
+fn connector(config: &Config) -> Connect {
+    let config = Arc::new(config.clone());
+    Arc::new(move |placement, shutdown| {
+        let config = Arc::clone(&config);
+        Box::pin(async move { connect_until_up(placement, &config, &shutdown).await })
+    })
+}
 
-/// `http.listen`: metrics, health, readiness, and Gitea's webhook when a secret is set.
+/// `http.listen`: metrics, health, readiness, and Gitea's webhook when a secret is set;
+/// bound here, served by the returned future.
 async fn serve_http(
     config: &Config,
     metrics: &Arc<Metrics>,
     wake: &crate::scheduler::wake::Wake,
-    tasks: &mut Tasks,
     shutdown: &CancellationToken,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static> {
     let listener = tokio::net::TcpListener::bind(&config.http.listen).await.with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
     let hooks = match &config.gitea.webhook_secret_file {
         Some(path) => {
@@ -354,8 +364,8 @@ async fn serve_http(
         None => None,
     };
     let routes: Vec<Arc<dyn crate::http::Route>> = vec![Arc::new(crate::scheduler::wake::WebhookRoute::new(hooks, Arc::clone(metrics)))];
-    tasks.spawn(named("http", crate::http::serve(listener, Arc::clone(metrics), routes, shutdown.clone())));
-    Ok(())
+    let serving = crate::http::serve(listener, Arc::clone(metrics), routes, shutdown.clone());
+    Ok(async move { serving.await.context("http stopped") })
 }
 
 /// Every configured placement, with its driver where its worker runs here; a backend
@@ -422,50 +432,28 @@ fn environment_settings(config: &Config) -> EnvironmentSettings {
     }
 }
 
-/// One worker per placement whose worker runs here; one whose backend did not answer
-/// at start connects first (retrying until shutdown).
-fn spawn_workers(pipeline: &Pipeline, config: &Config, components: &Components, tasks: &mut Tasks, shutdown: &CancellationToken) {
-    for served in pipeline.placements().iter().filter(|served| components.worker_for(served.placement)) {
-        let (served, config, shutdown) = (Arc::clone(served), config.clone(), shutdown.clone());
-        let worker = pipeline.worker_factory();
-        tasks.spawn(named("worker", async move {
-            let driver = match served.driver() {
-                Some(driver) => driver,
-                None => match connect_until_up(served.placement, &config, &shutdown).await {
-                    Some(driver) => driver,
-                    None => return Ok(()),
-                },
-            };
-            served.set_driver(Arc::clone(&driver));
-            Arc::new(worker.make(&served, driver)).run(shutdown).await
-        }));
-    }
-}
-
-/// The facade on each configured transport: the environments' own sockets, the
-/// development-mode TCP listener, the mTLS listener.
-async fn spawn_facade(pipeline: &Pipeline, config: &Config, tasks: &mut Tasks, shutdown: &CancellationToken) -> anyhow::Result<()> {
-    let facade = pipeline.facade();
-    if let Some(serving) = pipeline.serve_sockets(shutdown.clone()) {
-        tasks.spawn(named("facade", serving));
-    }
+/// The facade on each configured transport besides the environments' own sockets
+/// (which the pipeline serves): the development-mode TCP listener, the mTLS listener.
+async fn spawn_facade(running: &mut Running, config: &Config) -> anyhow::Result<()> {
+    let (facade, shutdown) = (Arc::clone(running.pipeline().facade()), running.shutdown().clone());
     if let Some(listen) = config.facade.insecure_listen.clone() {
         let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.insecure_listen {listen}"))?;
         tracing::warn!(%listen, "facade development mode: plain HTTP/2 on a private address, authenticated by the capability alone");
-        tasks.spawn(named("facade", facade::serve_insecure_tcp(Arc::clone(facade), listener, shutdown.clone())));
+        running.spawn("facade", facade::serve_insecure_tcp(Arc::clone(&facade), listener, shutdown.clone()));
     }
     if let (Some(listen), Some(endpoint)) = (config.facade.listen.clone(), config.facade.spiffe_endpoint_socket.clone()) {
         let source = spiffe::X509Source::builder().endpoint(&endpoint).build().await.with_context(|| format!("facade.spiffe_endpoint_socket {endpoint}"))?;
         let tls = facade::mtls_server_config(source, &config.identity.trust_domain)?;
         let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("facade.listen {listen}"))?;
-        tasks.spawn(named("facade", facade::serve_mtls(Arc::clone(facade), listener, tls, shutdown.clone())));
+        running.spawn("facade", facade::serve_mtls(facade, listener, tls, shutdown));
     }
     Ok(())
 }
 
 /// The FetchTask loops of every enabled placement, and the keep-alive of the
 /// assignments nobody reports on yet.
-fn spawn_schedulers(pipeline: &Pipeline, config: &Config, wake: &crate::scheduler::wake::Wake, tasks: &mut Tasks, shutdown: &CancellationToken) {
+fn spawn_schedulers(running: &mut Running, config: &Config, wake: &crate::scheduler::wake::Wake) {
+    let pipeline = running.pipeline();
     let scheduler_config = SchedulerConfig {
         rules: pipeline.rules().clone(),
         fetch_interval: config.gitea.fetch_interval,
@@ -473,30 +461,32 @@ fn spawn_schedulers(pipeline: &Pipeline, config: &Config, wake: &crate::schedule
         fetch_timeout: config.gitea.fetch_timeout,
         max_loops: 8,
     };
+    let mut schedulers = Vec::new();
     for placement in pipeline.placements().enabled() {
         let Some(gitea) = pipeline.registrations().fetcher(placement).cloned() else { continue };
-        let scheduler = Arc::new(
+        schedulers.push(Arc::new(
             Scheduler::new(placement, gitea, Arc::clone(pipeline.store()), pipeline.placements().clone(), scheduler_config.clone())
                 .with_metrics(Arc::clone(pipeline.metrics()))
                 .with_wake(wake.clone())
                 .with_lease_ttl(config.gitea.lease_ttl),
-        );
-        tasks.spawn(named("scheduler", scheduler.run(shutdown.clone())));
+        ));
     }
     let keep_alive =
         KeepAlive { store: Arc::clone(pipeline.store()), registrations: pipeline.registrations().clone(), lifecycle: pipeline.lifecycle().clone() };
-    let interval = config.gitea.keepalive_interval;
-    let shutdown = shutdown.clone();
-    tasks.spawn(async move {
+    let (interval, shutdown) = (config.gitea.keepalive_interval, running.shutdown().clone());
+    for scheduler in schedulers {
+        running.spawn("scheduler", scheduler.run(shutdown.clone()));
+    }
+    running.spawn("keep-alive", async move {
         keep_alive.run(interval, shutdown).await;
-        Ok(())
+        Ok::<(), Infallible>(())
     });
 }
 
 /// Finished records go after the retention (JetStream's bucket ages them out itself).
-fn spawn_pruning(pipeline: &Pipeline, config: &Config, tasks: &mut Tasks, shutdown: &CancellationToken) {
-    let (store, retention, shutdown) = (Arc::clone(pipeline.store()), config.store.retention(), shutdown.clone());
-    tasks.spawn(async move {
+fn spawn_pruning(running: &mut Running, config: &Config) {
+    let (store, retention, shutdown) = (Arc::clone(running.pipeline().store()), config.store.retention(), running.shutdown().clone());
+    running.spawn("pruning", async move {
         while !shutdown.is_cancelled() {
             let before = crate::store::now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
             match store.prune(before).await {
@@ -509,15 +499,16 @@ fn spawn_pruning(pipeline: &Pipeline, config: &Config, tasks: &mut Tasks, shutdo
                 () = tokio::time::sleep(Duration::from_secs(600)) => {}
             }
         }
-        Ok(())
+        Ok::<(), Infallible>(())
     });
 }
 
 /// Gauges that come from elsewhere, refreshed every few seconds.
-fn spawn_gauges(pipeline: &Pipeline, tasks: &mut Tasks, shutdown: &CancellationToken) {
+fn spawn_gauges(running: &mut Running) {
+    let pipeline = running.pipeline();
     let (store, metrics, placements, shutdown) =
-        (Arc::clone(pipeline.store()), Arc::clone(pipeline.metrics()), pipeline.placements().clone(), shutdown.clone());
-    tasks.spawn(async move {
+        (Arc::clone(pipeline.store()), Arc::clone(pipeline.metrics()), pipeline.placements().clone(), running.shutdown().clone());
+    running.spawn("gauges", async move {
         while !shutdown.is_cancelled() {
             for served in placements.iter() {
                 let label = PlacementLabel { placement: served.placement.to_string() };
@@ -531,16 +522,16 @@ fn spawn_gauges(pipeline: &Pipeline, tasks: &mut Tasks, shutdown: &CancellationT
                 () = tokio::time::sleep(Duration::from_secs(5)) => {}
             }
         }
-        Ok(())
+        Ok::<(), Infallible>(())
     });
 }
 
 /// Ready while the store answers: during a NATS outage nothing can be persisted,
 /// claimed or finished, and a load balancer should know.
-fn spawn_readiness(pipeline: &Pipeline, tasks: &mut Tasks, shutdown: &CancellationToken) {
-    let (store, metrics, shutdown) = (Arc::clone(pipeline.store()), Arc::clone(pipeline.metrics()), shutdown.clone());
+fn spawn_readiness(running: &mut Running) {
+    let (store, metrics, shutdown) = (Arc::clone(running.pipeline().store()), Arc::clone(running.pipeline().metrics()), running.shutdown().clone());
     metrics.set_ready(true);
-    tasks.spawn(async move {
+    running.spawn("readiness", async move {
         let mut was_ready = true;
         while !shutdown.is_cancelled() {
             let ready = tokio::time::timeout(Duration::from_secs(2), store.healthy()).await.is_ok_and(|r| r.is_ok());
@@ -558,42 +549,8 @@ fn spawn_readiness(pipeline: &Pipeline, tasks: &mut Tasks, shutdown: &Cancellati
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
         }
-        Ok(())
+        Ok::<(), Infallible>(())
     });
-}
-
-/// Joins every component; the first to fail stops the others and is the outcome. After
-/// `shutdown`, components get `deadline` to stop.
-async fn join(mut tasks: Tasks, shutdown: &CancellationToken, deadline: Duration) -> anyhow::Result<()> {
-    let mut outcome = Ok(());
-    let drain = async {
-        while let Some(joined) = tasks.join_next().await {
-            match joined {
-                Ok(Err(error)) => {
-                    tracing::error!("component failed: {error:#}");
-                    shutdown.cancel();
-                    outcome = Err(error);
-                }
-                Ok(Ok(())) => {}
-                Err(error) => tracing::error!(%error, "component panicked"),
-            }
-        }
-    };
-    tokio::select! {
-        () = drain => {}
-        () = async { shutdown.cancelled().await; tokio::time::sleep(deadline).await } => {
-            tracing::warn!(?deadline, "components did not stop in time; exiting");
-        }
-    }
-    outcome
-}
-
-/// A component's error, with the component named.
-async fn named<E>(component: &'static str, future: impl std::future::Future<Output = Result<(), E>>) -> anyhow::Result<()>
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    future.await.with_context(|| format!("{component} stopped"))
 }
 
 #[cfg(test)]

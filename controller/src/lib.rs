@@ -7,6 +7,8 @@
 //! - [`assignment`]: the assignment model — pure derivations from a Gitea task: where
 //!   it runs, who it is, how it is stored, how it authenticates.
 //! - [`setting`]: what a setting is to its owner (an invalid one, durations).
+//! - [`clock`]: the one wall clock of leases, records and sessions (tokio's, so tests
+//!   pause it).
 //! - [`metrics`]: the Prometheus registry, health and readiness.
 //! - [`store`]: durable queue + records (JetStream or embedded redb).
 //! - [`gitea`]: the Gitea client on the Connect layer (registrations, calls).
@@ -18,7 +20,8 @@
 //! - [`worker`]: environments per placement within capacity; the reconciler.
 //! - [`scheduler`]: the FetchTask loops that turn tasks into persisted assignments, and
 //!   the keep-alive of assignments nobody reports on yet.
-//! - [`pipeline`]: the one place the components are wired together.
+//! - [`pipeline`]: the one place the components are wired together, and the running
+//!   handle that starts and drains them.
 //! - [`config`], [`http`], [`app`], [`commands`], [`cli`], [`telemetry`], [`signal`],
 //!   [`exit`], [`failpoint`]: the edges — configuration, the HTTP listener, `controller
 //!   run`, the command dispatch.
@@ -28,6 +31,7 @@
 pub mod app;
 pub mod assignment;
 pub mod cli;
+pub mod clock;
 pub mod commands;
 pub mod config;
 pub mod driver;

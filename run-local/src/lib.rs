@@ -12,8 +12,13 @@
 //! - [`repository`]: the local repository and mapped actions, served over git's smart
 //!   HTTP where the jobs' Gitea would be.
 //! - [`reports`]: the runner's reports, the logs streamed to the terminal.
-//! - [`run`]: the run itself — the pipeline built through the controller's
-//!   [`controller::pipeline::Pipeline`], jobs started in `needs` order, Ctrl-C.
+//! - [`planning`]: the jobs as planned and placed, each job's state in one place,
+//!   matrices given by expressions expanded once their needs ended, `--list`.
+//! - [`inputs`]: secrets, variables, the event, and what is served as the jobs' Gitea.
+//! - [`host`]: the controller's pipeline started for the run
+//!   ([`controller::pipeline::Running`]) with the docker driver and the terminal as Gitea.
+//! - [`run`]: the run itself — jobs started in `needs` order, Ctrl-C.
+//! - [`summary`]: the results at the end and the exit code.
 //! - [`exit`]: the codes the program exits with.
 
 #![forbid(unsafe_code)]
@@ -21,8 +26,12 @@
 pub mod cli;
 pub mod exit;
 pub mod expression;
+pub mod host;
+pub mod inputs;
+pub mod planning;
 pub mod reports;
 pub mod repository;
 pub mod run;
+pub mod summary;
 pub mod task;
 pub mod workflow;

@@ -215,7 +215,7 @@ impl Registrar {
     /// # Errors
     /// The server is unavailable.
     pub async fn sweep(&self, live: &HashSet<&str>) -> Result<Vec<String>, SpireError> {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let now = crate::clock::now_secs();
         let cutoff = i64::try_from(now.saturating_sub(self.config.stale_after.as_secs())).unwrap_or(i64::MAX);
         let mut removed = Vec::new();
         for (id, created_at) in self.entries().await? {

@@ -204,7 +204,7 @@ impl Facade {
             tracing::warn!(assignment.id = id, socket = %assignment_id, "facade refused a call for another environment's assignment");
             return Err(Status::permission_denied(format!("this socket belongs to the environment of {assignment_id}, not of {id}")));
         }
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let now = crate::clock::now_secs();
         let session = session_scope(peer, id);
         let verified = match scope {
             Scope::Given => self.key.verify(&credential.capability, id, now),

@@ -45,6 +45,11 @@ impl PlacementState {
         let _ = self.driver.set(driver);
     }
 
+    /// Whether this process runs the placement's worker (once its driver is there).
+    pub fn worker_here(&self) -> bool {
+        self.worker_here
+    }
+
     /// Whether environments of this placement can be made now, as far as this process
     /// knows (a placement whose worker runs elsewhere: yes).
     pub fn can_place(&self) -> bool {

@@ -121,7 +121,5 @@ pub trait Store: Records + Queue + Leases + std::fmt::Debug {
     async fn healthy(&self) -> Result<(), StoreError>;
 }
 
-/// Unix milliseconds now.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
+/// Unix milliseconds now, from the controller's one clock.
+pub use crate::clock::now_ms;

@@ -412,8 +412,7 @@ pub fn environment_spec(
     settings: &EnvironmentSettings,
     key: &CapabilityKey,
 ) -> EnvironmentSpec {
-    let expires =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()).saturating_add(settings.capability_ttl.as_secs());
+    let expires = crate::clock::now_secs().saturating_add(settings.capability_ttl.as_secs());
     let spiffe = settings.spiffe_endpoint_socket.is_some();
     let capability = key.issue(&assignment.id, expires);
     // Its own socket and a capability file where the driver can mount a directory.

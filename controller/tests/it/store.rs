@@ -484,9 +484,9 @@ mod cases {
 
     /// One holder at a time; renewals keep it; an expired or released lease goes to the
     /// next holder. When a lease expires and what a renewal extends is the rule's
-    /// (`Lease::take`, table-tested on a made-up clock); this checks that each store
-    /// applies it, with one real expiry: the lease compares wall-clock time across
-    /// replicas, which no paused clock moves.
+    /// (`Lease::take`, table-tested on a made-up clock; the embedded store's expiry under
+    /// paused time in its unit test); this checks that each store applies it, with one
+    /// real expiry: JetStream's round trips cannot run under a paused clock.
     pub async fn leases_have_one_holder(backend: &dyn Backend) {
         let store = backend.open(NO_REDELIVERY).await;
         let ttl = Duration::from_millis(500);

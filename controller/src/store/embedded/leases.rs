@@ -26,3 +26,24 @@ impl Leases for Embedded {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The embedded store's leases expire on the controller's clock: under paused time a
+    /// lease holds until the clock passes its time-to-live and not a millisecond longer,
+    /// without the test sleeping.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_expires_when_the_clock_passes_its_ttl() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Embedded::open(&dir.path().join("store.redb")).unwrap();
+        let ttl = Duration::from_secs(30);
+        assert!(store.lease("scheduler.container.docker", "a", ttl).await.unwrap());
+        tokio::time::advance(ttl - Duration::from_millis(2)).await;
+        assert!(!store.lease("scheduler.container.docker", "b", ttl).await.unwrap(), "taken over before the lease expired");
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(store.lease("scheduler.container.docker", "b", ttl).await.unwrap(), "an expired lease was not taken over");
+        assert!(!store.lease("scheduler.container.docker", "a", ttl).await.unwrap(), "two holders");
+    }
+}

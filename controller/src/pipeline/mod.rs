@@ -4,9 +4,13 @@
 //! environments' sockets and, per placement, its worker — with the same wiring for
 //! `controller run` ([`crate::app`]) and `run-local`, which differ only in the values.
 //!
-//! A caller that plays Gitea's part itself (run-local) hands tasks in with
-//! [`Pipeline::submit`] and takes environments down with [`Pipeline::retire`]; it needs
-//! nothing else of the controller's insides.
+//! [`Pipeline::start`] runs it: the workers and sockets spawned, a [`Running`] handle
+//! returned ([`running`]). A caller that plays Gitea's part itself (run-local) hands
+//! tasks in with [`Running::submit`], cancels them with [`Running::cancel`] and takes
+//! environments down with [`Pipeline::retire`]; it needs nothing else of the
+//! controller's insides.
+
+pub mod running;
 
 use std::{sync::Arc, time::Duration};
 
@@ -23,6 +27,8 @@ use crate::{
     store::{Record, State, Store, StoreError, now_ms},
     worker::{EnvironmentSettings, Worker},
 };
+
+pub use self::running::{Cancel, Connect, Running};
 
 /// What the pipeline is made of; see [`Pipeline::builder`].
 #[derive(Debug)]
@@ -199,7 +205,7 @@ impl Pipeline {
 
     /// Serving the facade on the environments' sockets until `shutdown`, when this
     /// process serves them (a future to spawn).
-    pub fn serve_sockets(
+    fn serve_sockets(
         &self,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Option<impl std::future::Future<Output = Result<(), FacadeError>> + Send + 'static> {
@@ -207,14 +213,9 @@ impl Pipeline {
         self.sockets.clone().map(|sockets| sockets.serve(facade, store, shutdown))
     }
 
-    /// The worker of one placement, with its driver.
-    pub fn worker(&self, served: &Arc<PlacementState>, driver: Arc<dyn Driver>) -> Worker {
-        self.worker_factory().make(served, driver)
-    }
-
     /// What makes workers, for a placement whose driver connects later (in a task of
     /// its own).
-    pub fn worker_factory(&self) -> WorkerFactory {
+    fn worker_factory(&self) -> WorkerFactory {
         WorkerFactory {
             store: Arc::clone(&self.store),
             key: Arc::clone(&self.key),
