@@ -146,10 +146,7 @@ pub fn for_task(trust_domain: &str, task: &Task) -> Result<Identity, IdentityErr
 /// [`IdentityError::MissingRepository`], [`IdentityError::InvalidRepository`] or
 /// [`IdentityError::OwnerMismatch`].
 pub fn repository_of(context: &prost_types::Struct) -> Result<String, IdentityError> {
-    let string = |key: &str| match context.fields.get(key).and_then(|v| v.kind.as_ref()) {
-        Some(prost_types::value::Kind::StringValue(s)) => Some(s.as_str()),
-        _ => None,
-    };
+    let string = |key: &str| super::context::string(context, key);
     let repository = string("repository").ok_or(IdentityError::MissingRepository)?;
     let Some((owner, _)) = repository.split_once('/') else {
         return Err(IdentityError::InvalidRepository { repository: repository.to_owned() });

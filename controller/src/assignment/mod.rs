@@ -1,9 +1,11 @@
 //! The assignment model: everything derived from one Gitea task, without side effects —
 //! where it runs ([`placement`]), who it is ([`identity`]), how it is stored
-//! ([`envelope`]) and how its environment authenticates ([`capability`]). Other
+//! ([`envelope`]), how its environment authenticates ([`capability`]) and what its job
+//! may reach: its cache scope and runtime tokens ([`context`]). Other
 //! components read these; nothing here touches the store, Gitea or a driver.
 
 pub mod capability;
+pub mod context;
 pub mod envelope;
 pub mod identity;
 pub mod placement;
