@@ -304,7 +304,12 @@ pub async fn run_with(config: Config, components: Components, overrides: Overrid
         .build()
         .context("facade.environment_socket_dir")?;
     let mut running = pipeline.start(Some(connector(&config)), shutdown.clone());
-    running.spawn("http", async move { http.join_next().await.unwrap_or(Ok(Ok(()))).map_err(anyhow::Error::from)? });
+    running.spawn("http", async move {
+        if let Some(joined) = http.join_next().await {
+            joined??;
+        }
+        anyhow::Ok(())
+    });
     if components.facade {
         spawn_facade(&mut running, &config).await?;
     }
@@ -346,7 +351,7 @@ async fn serve_http(
     metrics: &Arc<Metrics>,
     wake: &crate::scheduler::wake::Wake,
     shutdown: &CancellationToken,
-) -> anyhow::Result<impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static> {
+) -> anyhow::Result<impl std::future::Future<Output = std::io::Result<()>> + Send + 'static> {
     let listener = tokio::net::TcpListener::bind(&config.http.listen).await.with_context(|| format!("http.listen: cannot listen on {}", config.http.listen))?;
     let hooks = match &config.gitea.webhook_secret_file {
         Some(path) => {
@@ -364,8 +369,7 @@ async fn serve_http(
         None => None,
     };
     let routes: Vec<Arc<dyn crate::http::Route>> = vec![Arc::new(crate::scheduler::wake::WebhookRoute::new(hooks, Arc::clone(metrics)))];
-    let serving = crate::http::serve(listener, Arc::clone(metrics), routes, shutdown.clone());
-    Ok(async move { serving.await.context("http stopped") })
+    Ok(crate::http::serve(listener, Arc::clone(metrics), routes, shutdown.clone()))
 }
 
 /// Every configured placement, with its driver where its worker runs here; a backend

@@ -28,7 +28,12 @@ use controller::{
     worker::EnvironmentSettings,
 };
 
-use crate::{cli::RunLocalArgs, inputs::Served, planning::Job, reports, repository};
+use crate::{
+    cli::RunLocalArgs,
+    inputs::Served,
+    planning::{Job, JobState},
+    reports, repository,
+};
 
 /// The installation name of local runs.
 const LOCAL_INSTANCE: &str = "local";
@@ -140,7 +145,7 @@ impl Host {
     /// Ends a running job nobody will report on any more: not claimed yet (Ctrl-C), or
     /// its environment removed (second Ctrl-C).
     pub async fn give_up(&self, job: &Job, how: Cancel) {
-        let crate::planning::JobState::Running(assignment) = &job.state else { return };
+        let JobState::Running(assignment) = &job.state else { return };
         if self.running.cancel(assignment, how).await {
             self.reports.end(job.task_id, TaskResult::Cancelled);
         }

@@ -86,7 +86,7 @@ impl Running {
 
     fn start_worker(&mut self, served: Arc<PlacementState>, connect: Option<Connect>) {
         let (worker, shutdown) = (self.pipeline.worker_factory(), self.shutdown.clone());
-        self.components.spawn(async move {
+        self.spawn("worker", async move {
             let driver = match (served.driver(), connect) {
                 (Some(driver), _) => driver,
                 (None, Some(connect)) => match connect(served.placement, shutdown.clone()).await {
@@ -96,7 +96,7 @@ impl Running {
                 (None, None) => return Ok(()),
             };
             served.set_driver(Arc::clone(&driver));
-            Arc::new(worker.make(&served, driver)).run(shutdown).await.context("worker stopped")
+            Arc::new(worker.make(&served, driver)).run(shutdown).await
         });
     }
 
