@@ -5,6 +5,8 @@
 //! a request the supervisor forwards names its environment to the facade, and which
 //! requests are the cache's ([`Call`]).
 
+/// The port of [`LISTEN`] and [`URL`].
+pub const PORT: u16 = 41731;
 /// Where the supervisor listens for the job's cache requests (loopback only).
 pub const LISTEN: &str = "127.0.0.1:41731";
 /// The same as the job reaches it (`ACTIONS_CACHE_URL`, without the trailing `/`).
@@ -124,6 +126,11 @@ mod tests {
     use super::*;
 
     const TWIRP: &str = "/twirp/github.actions.results.api.v1.CacheService";
+
+    #[test]
+    fn the_port_is_the_one_of_the_address_and_the_url() {
+        assert!(LISTEN.ends_with(&format!(":{PORT}")) && URL.ends_with(&format!(":{PORT}")));
+    }
 
     #[test]
     fn every_request_of_the_toolkit_is_one_call_and_nothing_else_is_the_cache_s() {

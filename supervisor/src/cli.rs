@@ -45,6 +45,13 @@ pub enum Command {
     JobStarted(JobStartedArgs),
     /// Diagnose this environment: independent checks with PASS/FAIL/SKIP.
     Doctor(Box<DoctorArgs>),
+    /// Relay the environment's loopback ports into a `container:` job's container
+    /// (started by the job-started hook there; not for direct use).
+    #[command(hide = true)]
+    LoopbackRelay {
+        /// The directory of the agent's port sockets.
+        dir: PathBuf,
+    },
     /// Exec PROGRAM with the socket on fd 3 announced the systemd way (LISTEN_FDS=1,
     /// LISTEN_PID=its pid), for `dockerd -H fd://` (started by PID 1; not for direct use).
     #[command(hide = true)]
@@ -224,6 +231,13 @@ pub struct DoctorArgs {
     /// /usr/local/bin/supervisor IMAGE doctor --image`.
     #[arg(long)]
     pub image: bool,
+    /// Check what a job's steps reach, from where a step runs — a `container:` job's
+    /// container too: the loopback "Gitea" (GITHUB_SERVER_URL), the runtime and results
+    /// service (ACTIONS_RUNTIME_URL, ACTIONS_RESULTS_URL) and the cache
+    /// (ACTIONS_CACHE_URL) answer. Run it as a step, e.g. in a container
+    /// `/usr/local/lib/gitea-dynamic-runner/job-started doctor --step`.
+    #[arg(long, conflicts_with = "image")]
+    pub step: bool,
     /// The image's package list (for --image).
     #[arg(long, default_value = "/usr/local/lib/gitea-dynamic-runner/packages", value_parser = parse_absolute)]
     pub packages: PathBuf,
@@ -264,7 +278,11 @@ impl DoctorArgs {
             runner_config: self.runner_config.clone(),
             runner_dir: e.runner_dir.clone(),
             assignment_id: e.assignment_id.clone(),
-            image: self.image,
+            mode: match (self.image, self.step) {
+                (true, _) => doctor::Mode::Image,
+                (false, true) => doctor::Mode::Step,
+                (false, false) => doctor::Mode::Environment,
+            },
             packages: self.packages.clone(),
             runner_user: self.user.user(),
         }

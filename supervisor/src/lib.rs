@@ -15,6 +15,7 @@
 pub mod agent;
 pub mod cli;
 pub mod exit;
+pub mod http1;
 pub mod pid1;
 pub mod signals;
 pub mod tools;

@@ -26,8 +26,10 @@ fn main() -> ExitCode {
     }
     // gitea-runner runs its job-started hook by path and without arguments — in the
     // environment, or in a `container:` job's container, where the hook's path is this
-    // binary mounted (/etc/gitea-runner/config.yaml).
-    let parsed = if tools::invoked_as(job_started::HOOK_NAME) { Cli::try_parse_from(["supervisor", "job-started"]) } else { Cli::try_parse() };
+    // binary mounted (/etc/gitea-runner/config.yaml). With arguments it is the
+    // supervisor there (`job-started doctor --step`).
+    let hook = tools::invoked_as(job_started::HOOK_NAME) && std::env::args_os().len() == 1;
+    let parsed = if hook { Cli::try_parse_from(["supervisor", "job-started"]) } else { Cli::try_parse() };
     let cli = match parsed {
         Ok(cli) => cli,
         Err(error) => {
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
             }
             doctor::run(&args.settings(), args.json)
         }
+        Command::LoopbackRelay { dir } => agent::relay::run_relay(&dir),
         Command::Activate(args) => pid1::dockerd::activate(&args),
         Command::Version => {
             println!("supervisor {} (revision {REVISION})", env!("CARGO_PKG_VERSION"));

@@ -43,6 +43,8 @@ pub enum AgentError {
     PassThrough(#[source] ProxyError),
     #[error("cannot listen on 127.0.0.1")]
     Loopback(#[source] std::io::Error),
+    #[error("cannot serve the loopback's ports as sockets in {} (a `container:` job's way to them)", .dir.display())]
+    PortSockets { dir: PathBuf, source: std::io::Error },
     #[error("cannot write .runner in {}", .dir.display())]
     RunnerFile { dir: PathBuf, source: std::io::Error },
     #[error("no job command")]
@@ -69,6 +71,7 @@ impl AgentError {
             | AgentError::ReadinessLost
             | AgentError::Randomness(_)
             | AgentError::Loopback(_)
+            | AgentError::PortSockets { .. }
             | AgentError::RunnerFile { .. }
             | AgentError::Wait(_) => exit::INTERNAL,
         }
@@ -102,6 +105,7 @@ mod tests {
             (AgentError::ReadinessLost, exit::INTERNAL),
             (AgentError::Randomness(io()), exit::INTERNAL),
             (AgentError::Loopback(io()), exit::INTERNAL),
+            (AgentError::PortSockets { dir: "/run/s/loopback".into(), source: io() }, exit::INTERNAL),
             (AgentError::RunnerFile { dir: "/r".into(), source: io() }, exit::INTERNAL),
             (AgentError::Wait(io()), exit::INTERNAL),
             (AgentError::NotDumpable(nix::Error::EPERM), exit::INTERNAL),

@@ -2,7 +2,8 @@
 //! by PID 1: the identity wait ([`identity`]), the facade client ([`facade_client`]),
 //! the loopback RunnerService the runner talks to ([`loopback`], with the pass-through
 //! to Gitea in [`proxy`]), the job's cache ([`cache_proxy`], to the controller over the
-//! facade's connection), the readiness protocol ([`ready`]) and the job command with
+//! facade's connection), the loopback's ports as sockets for a `container:` job
+//! ([`relay`]), the readiness protocol ([`ready`]) and the job command with
 //! its signals ([`job`]); its settings are in [`config`], its failures and their exit
 //! codes in [`error`]. It never touches storage, cgroups or dockerd's process; it
 //! learns of dockerd through a pipe ([`docker::report`]).
@@ -27,6 +28,7 @@ pub mod job;
 pub mod loopback;
 pub mod proxy;
 pub mod ready;
+pub mod relay;
 
 pub use capability::CAPABILITY_FD;
 pub use config::{AgentConfig, CAPABILITY_ENV, CONFIG_ENV, DockerProxy, FacadeSettings, IdentitySettings};
@@ -239,6 +241,9 @@ async fn serve_the_runner(
         .and_then(|()| write_private(&facade.runner_dir.join(".runner"), &runner.runner_file(&format!("http://{address}"))));
     written.map_err(|source| AgentError::RunnerFile { dir: facade.runner_dir.clone(), source })?;
     let cache = serve_the_cache(&client, facade, &shutdown).await?;
+    let port_sockets = relay::dir(&config.socket);
+    let ports = relay::serve_ports(&port_sockets, &[address.port(), contract::cache::PORT], shutdown.clone())
+        .map_err(|source| AgentError::PortSockets { dir: port_sockets.clone(), source })?;
     // Report dockerd's readiness when it comes, without holding the runner back.
     let docker_reporter = {
         let (client, mut readiness) = (client.clone(), readiness);
@@ -275,6 +280,7 @@ async fn serve_the_runner(
     if let Some(cache) = cache {
         let _ = cache.await;
     }
+    let _ = ports.await;
     code
 }
 

@@ -9,7 +9,6 @@
 
 use std::{
     ffi::OsString,
-    io::{Read, Write},
     os::unix::net::{UnixListener, UnixStream},
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -166,27 +165,22 @@ pub enum PingError {
     NotOk { socket: PathBuf, status_line: String },
 }
 
-/// One `GET /_ping` over the unix socket, bounded by `timeout`. Hand-written HTTP/1.0
-/// because PID 1 stays synchronous and needs nothing more than a status line.
+/// One `GET /_ping` over the unix socket, bounded by `timeout` (synchronous: PID 1 has
+/// no async runtime).
 ///
 /// # Errors
 /// Anything but `200` with body `OK`.
 pub fn ping(socket: &Path, timeout: Duration) -> Result<Duration, PingError> {
     let started = Instant::now();
     let io = |source| PingError::Io { socket: socket.to_owned(), source };
-    let mut stream = UnixStream::connect(socket).map_err(|source| PingError::Connect { socket: socket.to_owned(), source })?;
+    let stream = UnixStream::connect(socket).map_err(|source| PingError::Connect { socket: socket.to_owned(), source })?;
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
     stream.set_write_timeout(Some(timeout)).map_err(io)?;
-    stream.write_all(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n").map_err(io)?;
-    let mut answer = Vec::with_capacity(512);
-    stream.take(64 * 1024).read_to_end(&mut answer).map_err(io)?;
-    let text = String::from_utf8_lossy(&answer);
-    let status_line = text.lines().next().unwrap_or("").to_owned();
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, body)| body);
-    if status_line.split_whitespace().nth(1) == Some("200") && body.trim() == "OK" {
+    let answer = crate::http1::get(stream, "docker", "/_ping").map_err(io)?;
+    if answer.status() == Some(200) && answer.body.trim() == "OK" {
         Ok(started.elapsed())
     } else {
-        Err(PingError::NotOk { socket: socket.to_owned(), status_line })
+        Err(PingError::NotOk { socket: socket.to_owned(), status_line: answer.status_line })
     }
 }
 
@@ -200,6 +194,8 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::io::{Read, Write};
+
     use super::*;
 
     fn config(bridge: Bridge, mtu: Option<u32>) -> DockerdConfig {

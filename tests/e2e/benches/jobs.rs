@@ -31,7 +31,20 @@ use e2e::{
 };
 use testkit::gitea::{Gitea, GiteaOptions, GiteaVersion, Repo};
 
-const JOB: &str = "jobs:\n  bench:\n    runs-on: [LABELS]\n    steps:\n      - run: echo first-step-RUN\n";
+const JOB: &str = "jobs:\n  bench:\n    runs-on: [LABELS]\nCONTAINER    steps:\n      - run: echo first-step-RUN\n";
+
+/// What the benched job runs on: its labels, and for a `container:` job its image.
+#[derive(Clone, Copy)]
+struct Shape<'a> {
+    labels: &'a str,
+    container: Option<&'a str>,
+}
+
+impl<'a> Shape<'a> {
+    fn host(labels: &'a str) -> Self {
+        Shape { labels, container: None }
+    }
+}
 
 fn now_ms() -> i64 {
     i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis()).unwrap()
@@ -82,8 +95,9 @@ fn median(mut values: Vec<i64>) -> i64 {
     values[values.len() / 2]
 }
 
-async fn run_one(gitea: &Gitea, repo: &Repo, labels: &str, n: usize) -> (i64, String) {
-    let yaml = format!("name: bench-{n}\non: push\n{}", JOB.replace("LABELS", labels).replace("RUN", &n.to_string()));
+async fn run_one(gitea: &Gitea, repo: &Repo, shape: Shape<'_>, n: usize) -> (i64, String) {
+    let container = shape.container.map(|image| format!("    container:\n      image: {image}\n")).unwrap_or_default();
+    let yaml = format!("name: bench-{n}\non: push\n{}", JOB.replace("LABELS", shape.labels).replace("CONTAINER", &container).replace("RUN", &n.to_string()));
     let committed = now_ms();
     gitea.commit_workflow(repo, "bench.yml", &yaml).await;
     let tasks =
@@ -154,7 +168,7 @@ async fn measure(
     gitea: &Gitea,
     options: Options,
     repo_name: &str,
-    labels: &str,
+    shape: Shape<'_>,
     runs: usize,
     watch: Watch,
     webhook: Option<&Webhook>,
@@ -176,7 +190,7 @@ async fn measure(
     for n in 0..runs {
         // The environment before has gone: every run starts from an idle host.
         tokio::time::sleep(pause(n)).await;
-        ours.push(run_one(gitea, &repo, labels, n).await);
+        ours.push(run_one(gitea, &repo, shape, n).await);
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let containers = watcher.join().unwrap();
@@ -272,10 +286,13 @@ fn print_rows(rows: &BTreeMap<&str, Vec<i64>>) {
     }
 }
 
+/// The docker placement's labels.
+const DOCKER: &str = "disposable, container, docker";
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let runs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
-    // GDR_BENCH_PLACEMENTS=docker,docker-rootless,docker-default,vm,kubernetes (default: all);
+    // GDR_BENCH_PLACEMENTS=docker,docker-rootless,docker-container-job,docker-default,vm,kubernetes (default: all);
     // the plain runner always.
     let chosen = std::env::var("GDR_BENCH_PLACEMENTS").ok();
     let wants = |placement: &str| chosen.as_deref().is_none_or(|list| list.split(',').any(|p| p.trim() == placement));
@@ -301,7 +318,7 @@ async fn main() {
         Webhook { url: format!("http://127.0.0.1:{port}/hooks/gitea"), secret }
     });
     let rows = if wants("docker") {
-        measure(&gitea, options.clone(), "bench", "disposable, container, docker", runs, Watch::Docker, webhook.as_ref()).await
+        measure(&gitea, options.clone(), "bench", Shape::host(DOCKER), runs, Watch::Docker, webhook.as_ref()).await
     } else {
         BTreeMap::new()
     };
@@ -312,13 +329,28 @@ async fn main() {
         let mut rootless = options.clone();
         rootless.job_dockerd = false;
         rootless.docker_extra = "rootless_dockerd = true".into();
-        rootless_rows = measure(&gitea, rootless, "bench-rootless", "disposable, container, docker", runs, Watch::Docker, webhook.as_ref()).await;
+        rootless_rows = measure(&gitea, rootless, "bench-rootless", Shape::host(DOCKER), runs, Watch::Docker, webhook.as_ref()).await;
     }
+    // A `container:` job with the job dockerd: its image (e2e::images' build image, ~55 MB
+    // compressed) pulled by the environment's fresh dockerd through a registry mirror on
+    // this host, the job-started hook relaying the loopback into it.
+    let mut container_job_rows = BTreeMap::new();
+    let mut registry = None;
+    if wants("docker-container-job") {
+        let started = tokio::task::block_in_place(testkit::registry::Registry::start);
+        tokio::task::block_in_place(|| e2e::images::push_build_image(&started, &image, "gdr-build", ""));
+        let mut container_job = options.clone();
+        container_job.docker_extra = format!("registry_mirrors = [\"http://{}:{}\"]", docker.bridge_ip, started.port);
+        let shape = Shape { labels: DOCKER, container: Some("gdr-build") };
+        container_job_rows = measure(&gitea, container_job, "bench-container-job", shape, runs, Watch::Docker, webhook.as_ref()).await;
+        registry = Some(started);
+    }
+    drop(registry);
     let mut no_docker_rows = BTreeMap::new();
     if wants("docker-default") {
         let mut no_docker = options.clone();
         no_docker.job_dockerd = false;
-        no_docker_rows = measure(&gitea, no_docker, "bench-no-docker", "disposable, container, docker", runs, Watch::Docker, webhook.as_ref()).await;
+        no_docker_rows = measure(&gitea, no_docker, "bench-no-docker", Shape::host(DOCKER), runs, Watch::Docker, webhook.as_ref()).await;
     }
 
     // vm.opensandbox: the real opensandbox-server (Docker runtime) on the same host; the
@@ -327,7 +359,7 @@ async fn main() {
     if wants("vm") {
         let server = tokio::task::block_in_place(|| testkit::opensandbox::OpenSandbox::start(&docker.url(), &image));
         options.opensandbox = Some(e2e::stack::SandboxOptions::on_host(&server, docker));
-        vm_rows = measure(&gitea, options.clone(), "bench-vm", "disposable, vm", runs, Watch::Docker, webhook.as_ref()).await;
+        vm_rows = measure(&gitea, options.clone(), "bench-vm", Shape::host("disposable, vm"), runs, Watch::Docker, webhook.as_ref()).await;
         drop(server);
     }
 
@@ -344,7 +376,7 @@ async fn main() {
         pod_options.capacity = 1;
         pod_options.fetch_interval = None;
         pod_options.kubernetes = Some(e2e::stack::PodOptions::on(cluster, &namespace));
-        pod_rows = measure(&pod_gitea, pod_options, "bench-pod", "disposable, container, kubernetes", runs, Watch::Pods(namespace), None).await;
+        pod_rows = measure(&pod_gitea, pod_options, "bench-pod", Shape::host("disposable, container, kubernetes"), runs, Watch::Pods(namespace), None).await;
     }
 
     // A plain gitea-runner on the host, same Gitea, same job.
@@ -371,7 +403,7 @@ async fn main() {
     let mut plain = Vec::new();
     for n in 0..runs {
         tokio::time::sleep(pause(n)).await;
-        plain.push(run_one(&gitea, &plain_repo, "plain-host", n).await);
+        plain.push(run_one(&gitea, &plain_repo, Shape::host("plain-host"), n).await);
     }
     let _ = daemon.kill();
     let _ = daemon.wait();
@@ -394,6 +426,12 @@ async fn main() {
     print_rows(&rows);
     println!("gitea-dynamic-runner (container.docker, rootless_dockerd = true: dockerd-rootless.sh as uid 2000, overlay2 on a volume):");
     print_rows(&rootless_rows);
+    println!("gitea-dynamic-runner (container.docker, job_dockerd, a `container:` job: its image pulled through a registry mirror on this host):");
+    print_rows(&container_job_rows);
+    if let (Some(host_job), Some(container_job)) = (rows.get("= FetchTask reply → first step"), container_job_rows.get("= FetchTask reply → first step")) {
+        let (host_job, container_job) = (median(host_job.clone()), median(container_job.clone()));
+        println!("FetchTask reply → first step, `container:` job − host-mode job: {} ms (median − median)", container_job - host_job);
+    }
     println!("gitea-dynamic-runner (container.docker, the default: no Docker in the job):");
     print_rows(&no_docker_rows);
     if let (Some(root), Some(rootless)) = (rows.get("= FetchTask reply → first step"), rootless_rows.get("= FetchTask reply → first step")) {
@@ -416,6 +454,7 @@ async fn main() {
     for (placement, measured) in [
         ("container.docker", &rows),
         ("docker, rootless", &rootless_rows),
+        ("docker, container: job", &container_job_rows),
         ("docker, no Docker", &no_docker_rows),
         ("vm.opensandbox", &vm_rows),
         ("container.kubernetes", &pod_rows),

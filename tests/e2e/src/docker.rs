@@ -92,8 +92,15 @@ fn claim_bridge() -> (String, Ipv4Addr) {
     let bridge = format!("gdre{}", pid % 100_000);
     let bridge_ip = Ipv4Addr::new(10, 213, third, 1);
     let _ = run("ip", &["link", "del", &bridge]);
+    // A MAC of the bridge's own (locally administered, one per subnet): without one, a
+    // bridge takes the lowest MAC of its ports, so when the environment with that port was
+    // removed the host's MAC changed under the running environments, whose ARP caches kept
+    // the old one, and their connections to the host (Gitea, the registry mirror) timed
+    // out for 30–60 s. Seen as `dial tcp <host>: i/o timeout` in a job started just after
+    // another ended (the Kubernetes harness had found the same for its bridge).
+    let mac = format!("02:42:0a:d5:{third:02x}:01");
     for args in [
-        vec!["link", "add", bridge.as_str(), "type", "bridge"],
+        vec!["link", "add", bridge.as_str(), "address", mac.as_str(), "type", "bridge"],
         vec!["addr", "add", &format!("{bridge_ip}/24"), "dev", bridge.as_str()],
         vec!["link", "set", bridge.as_str(), "up"],
     ] {

@@ -10,6 +10,7 @@
 
 pub mod actions;
 pub mod docker;
+pub mod images;
 pub mod kubernetes;
 pub mod paths;
 pub mod stack;

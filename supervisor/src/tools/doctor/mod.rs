@@ -8,6 +8,7 @@
 
 mod checks;
 mod image;
+mod step;
 
 use std::{borrow::Cow, path::PathBuf};
 
@@ -35,8 +36,8 @@ pub struct Settings {
     /// The runner's working directory, where the agent writes `.runner`.
     pub runner_dir: PathBuf,
     pub assignment_id: Option<String>,
-    /// Check a runner image instead of a running environment (see [`image`]).
-    pub image: bool,
+    /// What is checked: the environment, an image, or what a step reaches.
+    pub mode: Mode,
     /// The image's package list, for `image`.
     pub packages: PathBuf,
     pub runner_user: crate::pid1::RunnerUser,
@@ -44,7 +45,21 @@ pub struct Settings {
 
 /// Every check of the mode `settings` asks for, in the order a person would look.
 pub fn all(settings: &Settings) -> Vec<Outcome> {
-    if settings.image { image::all(settings) } else { checks::all(settings) }
+    match settings.mode {
+        Mode::Environment => checks::all(settings),
+        Mode::Image => image::all(settings),
+        Mode::Step => step::all(&|name| std::env::var(name).ok()),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A running environment, from inside it.
+    Environment,
+    /// A runner image (see [`image`]).
+    Image,
+    /// What a job's steps reach, from where a step runs (see [`step`]).
+    Step,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -8,6 +8,7 @@
 mod attacks;
 mod cache;
 mod campaign;
+mod container_jobs;
 mod contract;
 mod controller_image;
 mod fake_agrees;
