@@ -46,7 +46,11 @@ impl Dockerd {
             }
             Network::Bridge(bridge) => {
                 let mut command = Command::new("dockerd");
-                command.arg(format!("--bridge={bridge}")).args(["--iptables=false", "--ip-masq=false", "--storage-driver=overlay2"]);
+                // Containers get a resolver that refuses at once: no DNS server answers them
+                // on this machine, and each name a job's dockerd looks up before it pulls
+                // through the mirror (Docker Hub's) waited ~10 s for the sandbox's
+                // unreachable one (a `container:` job's pull: 13.3 s, then 2.9 s with this).
+                command.arg(format!("--bridge={bridge}")).args(["--iptables=false", "--ip-masq=false", "--storage-driver=overlay2", "--dns=127.0.0.1"]);
                 command
             }
         };
