@@ -59,3 +59,13 @@ pub async fn gitea_with_actions(bind: std::net::IpAddr) -> Gitea {
     }
     gitea
 }
+
+/// The `key=[value]` lines of a job's log: what its steps said (the runner's echo of a
+/// step's script, whose keys hold spaces or quotes, is left out).
+pub fn said(log: &str) -> std::collections::BTreeMap<String, String> {
+    log.lines()
+        .filter_map(|line| line.trim().split_once("=["))
+        .filter(|(key, _)| !key.contains(' ') && !key.contains('"'))
+        .filter_map(|(key, rest)| rest.strip_suffix(']').map(|value| (key.to_owned(), value.to_owned())))
+        .collect()
+}

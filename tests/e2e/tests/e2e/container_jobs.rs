@@ -99,15 +99,6 @@ jobs:
 /// The workflow's jobs, in its order.
 const JOBS: [&str; 3] = ["save", "restore", "host"];
 
-/// The `key=[value]` lines of a log.
-fn said(log: &str) -> BTreeMap<String, String> {
-    log.lines()
-        .filter_map(|line| line.trim().split_once("=["))
-        .filter(|(key, _)| !key.contains(' ') && !key.contains('"'))
-        .filter_map(|(key, rest)| rest.strip_suffix(']').map(|value| (key.to_owned(), value.to_owned())))
-        .collect()
-}
-
 /// Which job Docker the environments get.
 #[derive(Clone, Copy, Debug)]
 enum Mode {
@@ -152,7 +143,7 @@ async fn container_jobs_work_as_on_github(mode: Mode) {
     let all: String = logs.iter().map(|(job, log)| format!("--- {job}:\n{log}\n")).collect();
     let statuses: Vec<(&str, &str)> = tasks.iter().map(|t| (t.name.as_str(), t.status.as_str())).collect();
     assert!(tasks.len() == 3 && tasks.iter().all(|t| t.status == "success"), "{mode:?}: {statuses:?}\n{all}\nregistry:\n{}", registry.log());
-    let (save, restore) = (said(&logs["save"]), said(&logs["restore"]));
+    let (save, restore) = (e2e::actions::said(&logs["save"]), e2e::actions::said(&logs["restore"]));
     let get = |map: &BTreeMap<String, String>, key: &str| map.get(key).cloned().unwrap_or_else(|| panic!("no {key}= in:\n{all}"));
     println!(
         "{mode:?}: checkout@v4 {} in {}; service by name: {}; cache {} -> {} (hit {}); artifact {} -> {}",

@@ -60,15 +60,6 @@ jobs:
           echo "got4=[$(cat got4/a4.txt)]"
 "#;
 
-/// The `key=[value]` lines of a log.
-fn said(log: &str) -> BTreeMap<String, String> {
-    log.lines()
-        .filter_map(|line| line.trim().split_once("=["))
-        .filter(|(key, _)| !key.contains(' ') && !key.contains('"'))
-        .filter_map(|(key, rest)| rest.strip_suffix(']').map(|value| (key.to_owned(), value.to_owned())))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkout_and_the_artifact_actions_run_as_on_github() {
     let turn = e2e::exclusive().await;
@@ -93,7 +84,7 @@ async fn checkout_and_the_artifact_actions_run_as_on_github() {
     }
     let all = logs.join("\n");
     assert!(tasks.len() == 2 && tasks.iter().all(|t| t.status == "success"), "{tasks:?}\n{all}");
-    let (make, used) = (said(&logs[0]), said(&logs[1]));
+    let (make, used) = (e2e::actions::said(&logs[0]), e2e::actions::said(&logs[1]));
     let get = |map: &BTreeMap<String, String>, key: &str| map.get(key).cloned().unwrap_or_else(|| panic!("no {key}= in:\n{all}"));
     println!("checkout@v4 {} checkout@v6 {} on node {}", get(&make, "v4-head"), get(&make, "v6-head"), get(&make, "node"));
     println!("artifact v3 {} -> {}, v4 {} -> {}", get(&make, "made3"), get(&used, "got3"), get(&make, "made4"), get(&used, "got4"));
