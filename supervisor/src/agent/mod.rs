@@ -84,6 +84,7 @@ async fn run_with(config: AgentConfig, capability: Option<String>) -> Result<u8,
             None => Status::Off,
         },
         docker: if config.docker { Status::Waiting("dockerd starting".into()) } else { Status::Off },
+        services: Status::Off,
     };
     let (state, readiness) = watch::channel(initial);
     let mut signals = Signals::new().map_err(AgentError::Signals)?;
@@ -136,7 +137,8 @@ async fn run_with(config: AgentConfig, capability: Option<String>) -> Result<u8,
             Some(facade) => {
                 use tracing::Instrument as _;
                 let span = tracing::info_span!("assignment", assignment.id = %facade.assignment_id);
-                serve_the_runner(&config, facade, capability.clone(), readiness.clone(), &mut hook_passes, &mut signals).instrument(span).await
+                let readiness = (&state, readiness.clone());
+                serve_the_runner(&config, facade, capability.clone(), readiness, &mut hook_passes, &mut signals).instrument(span).await
             }
         }
     }
@@ -187,7 +189,7 @@ async fn serve_the_runner(
     config: &AgentConfig,
     facade: &FacadeSettings,
     capability: Option<String>,
-    readiness: watch::Receiver<Readiness>,
+    (state, readiness): (&watch::Sender<Readiness>, watch::Receiver<Readiness>),
     hook_passes: &mut mpsc::UnboundedReceiver<()>,
     signals: &mut Signals,
 ) -> Result<u8, AgentError> {
@@ -217,12 +219,14 @@ async fn serve_the_runner(
     let runner = loopback::LocalRunner::new(&facade.assignment_id, facade.labels.clone()).map_err(AgentError::Randomness)?;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let fallback = proxy::fallback(facade.gitea_url.as_deref()).map_err(AgentError::PassThrough)?;
-    // Steps may run once dockerd's socket takes connections (or dockerd failed: the job then says so itself).
+    let services = start_services(config, &task, state, readiness.clone());
+    // Steps may run once dockerd's socket takes connections and a host-mode job's
+    // services are up (or either failed: the job then says so itself).
     let (steps_may_run, steps_receiver) = watch::channel(false);
     let steps_watch = {
         let mut readiness = readiness.clone();
         tokio::spawn(async move {
-            let _ = readiness.wait_for(|r| !matches!(r.docker, Status::Waiting(_))).await;
+            let _ = readiness.wait_for(|r| !matches!(r.docker, Status::Waiting(_)) && !matches!(r.services, Status::Waiting(_))).await;
             let _ = steps_may_run.send(true);
         })
     };
@@ -275,6 +279,10 @@ async fn serve_the_runner(
     client.report(Phase::RunnerExited, "", reported).await;
     docker_reporter.abort();
     steps_watch.abort();
+    if let Some(services) = services {
+        services.abort();
+        let _ = services.await;
+    }
     shutdown.cancel();
     let _ = server.await;
     if let Some(cache) = cache {
@@ -282,6 +290,54 @@ async fn serve_the_runner(
     }
     let _ = ports.await;
     code
+}
+
+/// Starts a host-mode job's `services:` on the job's dockerd once it is ready
+/// ([`docker::services`]), their progress in `state` for the job-started hook; `None`
+/// when there is nothing to start (or nothing can be: the hook then fails the job,
+/// saying why).
+fn start_services(
+    config: &AgentConfig,
+    task: &proto::runner::v1::Task,
+    state: &watch::Sender<Readiness>,
+    mut readiness: watch::Receiver<Readiness>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let declared = docker::services::declared(task.workflow_payload.as_deref().unwrap_or_default(), &task.secrets, &task.vars);
+    let services = match declared {
+        Ok(services) if services.is_empty() => return None,
+        Ok(services) => services,
+        Err(error) => {
+            state.send_modify(|r| r.services = Status::Failed(error.to_string()));
+            return None;
+        }
+    };
+    let Some(host) = config.docker_host.clone() else {
+        let error = docker::services::ServicesError::NoDocker { names: docker::services::names(&services) };
+        state.send_modify(|r| r.services = Status::Failed(error.to_string()));
+        return None;
+    };
+    state.send_modify(|r| r.services = Status::Waiting(format!("{} wait for dockerd", docker::services::names(&services))));
+    let state = state.clone();
+    Some(tokio::spawn(async move {
+        let docker = readiness.wait_for(|r| r.docker.is_final()).await.map(|r| r.docker.clone());
+        let outcome = match docker {
+            Ok(Status::Ready(_)) => docker::services::start(&host, &services, |doing| state.send_modify(|r| r.services = Status::Waiting(doing))).await,
+            other => {
+                let state = other.map_or_else(|_| "the agent lost its readiness".to_owned(), |status| status.to_string());
+                Err(docker::services::ServicesError::DockerdDown { names: docker::services::names(&services), state })
+            }
+        };
+        match outcome {
+            Ok(summary) => {
+                tracing::info!(services = %summary, "the job's services are up");
+                state.send_modify(|r| r.services = Status::Ready(summary));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the job's services did not come up");
+                state.send_modify(|r| r.services = Status::Failed(error.to_string()));
+            }
+        }
+    }))
 }
 
 /// The job's cache on `contract::cache::LISTEN`, with the runner's registration secret

@@ -24,10 +24,11 @@ use tokio::{
 
 use super::docker::report::{DOCKER_FD, DockerReport};
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state", content = "detail", rename_all = "snake_case")]
 pub enum Status {
     /// Not required in this environment.
+    #[default]
     Off,
     Waiting(String),
     /// dockerd is starting behind its socket, which already takes connections: a
@@ -51,6 +52,10 @@ impl Status {
     pub fn is_failed(&self) -> bool {
         matches!(self, Status::Failed(_))
     }
+
+    pub fn is_off(&self) -> bool {
+        matches!(self, Status::Off)
+    }
 }
 
 impl std::fmt::Display for Status {
@@ -69,27 +74,34 @@ impl std::fmt::Display for Status {
 pub struct Readiness {
     pub identity: Status,
     pub docker: Status,
+    /// A host-mode job's `services:`, which the agent starts ([`super::docker::services`]).
+    #[serde(default, skip_serializing_if = "Status::is_off")]
+    pub services: Status,
 }
 
 impl Readiness {
     pub fn is_ready(&self) -> bool {
-        self.identity.is_ready() && self.docker.is_ready()
+        self.parts().iter().all(|(_, status)| status.is_ready())
     }
 
     pub fn is_settled(&self) -> bool {
-        self.is_ready() || self.identity.is_failed() || self.docker.is_failed()
+        self.is_ready() || self.parts().iter().any(|(_, status)| status.is_failed())
     }
 
     /// "identity: waiting (…); dockerd: failed (…)" for what is not ready.
     pub fn missing(&self) -> String {
-        let mut parts = Vec::new();
-        if !self.identity.is_ready() {
-            parts.push(format!("identity: {}", self.identity));
-        }
-        if !self.docker.is_ready() {
-            parts.push(format!("dockerd: {}", self.docker));
-        }
-        parts.join("; ")
+        let parts = self.parts().into_iter().filter(|(_, status)| !status.is_ready());
+        parts.map(|(name, status)| format!("{name}: {status}")).collect::<Vec<_>>().join("; ")
+    }
+
+    /// "identity: ready (…); dockerd: …" and the services when the agent starts any.
+    pub fn describe(&self) -> String {
+        let parts = self.parts().into_iter().filter(|(name, status)| *name != "services" || !status.is_off());
+        parts.map(|(name, status)| format!("{name}: {status}")).collect::<Vec<_>>().join("; ")
+    }
+
+    fn parts(&self) -> [(&'static str, &Status); 3] {
+        [("identity", &self.identity), ("dockerd", &self.docker), ("services", &self.services)]
     }
 }
 
@@ -238,7 +250,7 @@ mod tests {
 
     #[test]
     fn wire_format() {
-        let readiness = Readiness { identity: Status::Ready("spiffe://example.org/ci/o/r/j".into()), docker: Status::Off };
+        let readiness = Readiness { identity: Status::Ready("spiffe://example.org/ci/o/r/j".into()), docker: Status::Off, services: Status::Off };
         let json = serde_json::to_string(&readiness).unwrap();
         assert_eq!(json, r#"{"identity":{"state":"ready","detail":"spiffe://example.org/ci/o/r/j"},"docker":{"state":"off"}}"#);
         assert_eq!(serde_json::from_str::<Readiness>(&json).unwrap(), readiness);
@@ -247,15 +259,34 @@ mod tests {
 
     #[test]
     fn missing_names_what_is_not_ready() {
-        let readiness = Readiness { identity: Status::Waiting("no identity issued".into()), docker: Status::Failed("dockerd exited with 1".into()) };
+        let readiness = Readiness {
+            identity: Status::Waiting("no identity issued".into()),
+            docker: Status::Failed("dockerd exited with 1".into()),
+            services: Status::Waiting("pulling nginx for service `web`".into()),
+        };
         assert!(!readiness.is_ready());
         assert!(readiness.is_settled());
-        assert_eq!(readiness.missing(), "identity: waiting (no identity issued); dockerd: failed (dockerd exited with 1)");
+        assert_eq!(
+            readiness.missing(),
+            "identity: waiting (no identity issued); dockerd: failed (dockerd exited with 1); services: waiting (pulling nginx for service `web`)"
+        );
+        let services = Readiness { services: Status::Failed("service `web` did not come up".into()), ..readiness.clone() };
+        assert!(services.is_settled());
+        let starting = Readiness { identity: Status::Off, docker: Status::Ready("up".into()), services: Status::Waiting("starting".into()) };
+        assert!(!starting.is_ready() && !starting.is_settled(), "the hook waits for a host-mode job's services");
+        let json = serde_json::to_string(&starting).unwrap();
+        assert!(json.ends_with(r#""services":{"state":"waiting","detail":"starting"}}"#), "{json}");
+        assert_eq!(starting.describe(), "identity: off; dockerd: ready (up); services: waiting (starting)");
     }
 
     #[test]
     fn a_starting_dockerd_holds_nothing_back() {
-        let readiness = Readiness { identity: Status::Ready("spiffe://example.org/ci/o/r/j".into()), docker: Status::Starting("socket bound".into()) };
+        let readiness = Readiness {
+            identity: Status::Ready("spiffe://example.org/ci/o/r/j".into()),
+            docker: Status::Starting("socket bound".into()),
+            services: Status::Off,
+        };
+        assert_eq!(readiness.describe(), "identity: ready (spiffe://example.org/ci/o/r/j); dockerd: starting (socket bound)");
         assert!(readiness.is_ready() && readiness.is_settled());
         assert!(!readiness.docker.is_final());
         let json = serde_json::to_string(&readiness.docker).unwrap();

@@ -1,7 +1,8 @@
 //! `supervisor job-started`: gitea-runner's job-started hook. It runs as the runner
-//! uid before the first step and blocks it until the identity is ready and dockerd's
+//! uid before the first step and blocks it until the identity is ready, dockerd's
 //! socket takes connections (dockerd itself may still be starting: a `docker` call waits
-//! for it), by asking the agent over its unix socket ([`ready::wait`]). In a `container:`
+//! for it) and a host-mode job's services are up, by asking the agent over its unix
+//! socket ([`ready::wait`]). In a `container:`
 //! job's container it then brings the loopback in ([`relay::bring_in`]). A non-zero exit
 //! fails the job with the message printed here.
 
@@ -20,7 +21,7 @@ pub const HOOK_NAME: &str = "job-started";
 pub fn run(socket: &Path, timeout: Duration) -> u8 {
     match ready::wait(socket, timeout) {
         Ok(readiness) if readiness.is_ready() => {
-            println!("supervisor: environment ready — identity: {}; dockerd: {}", readiness.identity, readiness.docker);
+            println!("supervisor: environment ready — {}", readiness.describe());
             match relay::bring_in(&relay::dir(socket)) {
                 Ok(ports) if ports.is_empty() => 0,
                 Ok(ports) => {
@@ -32,6 +33,10 @@ pub fn run(socket: &Path, timeout: Duration) -> u8 {
                     exit::NOT_READY
                 }
             }
+        }
+        Ok(readiness) if readiness.is_settled() => {
+            eprintln!("supervisor job-started: the environment cannot run this job: {}", readiness.missing());
+            exit::NOT_READY
         }
         Ok(readiness) => {
             eprintln!("supervisor job-started: the environment is not ready after {timeout:?}: {}", readiness.missing());

@@ -77,7 +77,7 @@ mod tests {
     }
 
     fn readiness(docker: Status) -> (watch::Sender<Readiness>, watch::Receiver<Readiness>) {
-        watch::channel(Readiness { identity: Status::Off, docker })
+        watch::channel(Readiness { identity: Status::Off, docker, services: Status::Off })
     }
 
     /// A call made before dockerd's socket exists waits for it and gets dockerd's answer;

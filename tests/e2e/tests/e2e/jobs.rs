@@ -352,16 +352,44 @@ async fn no_runner_credential_enters_an_environment() {
     controller.stop().await;
 }
 
+const NO_DOCKER: &str = r#"name: no-docker
+on: push
+jobs:
+  build:
+    runs-on: [disposable, container, docker]
+    steps:
+      - run: docker --version
+      - run: docker build -t app .
+  with-services:
+    runs-on: [disposable, container, docker]
+    services:
+      web:
+        image: nginx
+    steps:
+      - run: echo "a step ran without its service"
+"#;
+
 /// In the safe default (no job-local dockerd) a step that calls `docker` is told in one
 /// line that this environment has none by design and what gives one — not the CLI's "Is
-/// the docker daemon running?"; what needs no daemon still works.
+/// the docker daemon running?"; what needs no daemon still works. A host-mode job that
+/// declares `services:` fails before its first step, saying why (gitea-runner alone would
+/// run it without them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_calling_docker_where_there_is_none_is_told_why() {
-    let (gitea, repo, mut controller, turn) = setup_with("no-docker", "gitea-runner", |options| options.job_dockerd = false).await;
-    let workflow = "name: no-docker\non: push\njobs:\n  build:\n    runs-on: [disposable, container, docker]\n    steps:\n      - run: docker --version\n      - run: docker build -t app .\n";
-    gitea.commit_workflow(&repo, "no-docker.yml", workflow).await;
-    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| finished(t, 1)).await;
-    let log = strip_log_timestamps(&gitea.job_log(&repo, tasks[0].run_number, 0).await);
+    let (gitea, repo, mut controller, turn) = setup_with("no-docker", "gitea-runner", |options| {
+        options.job_dockerd = false;
+        options.capacity = 2;
+    })
+    .await;
+    gitea.commit_workflow(&repo, "no-docker.yml", NO_DOCKER).await;
+    let tasks = gitea.wait_for_tasks(&repo, Duration::from_secs(180), |t| t.len() == 2 && t.iter().all(|t| !t.is_open())).await;
+    let run = tasks[0].run_number;
+    let services = strip_log_timestamps(&gitea.job_log(&repo, run, 1).await);
+    assert_eq!(status_of(&tasks, "with-services"), "failure", "{services}");
+    assert!(services.contains("the job declares services (web) but this environment has no Docker"), "{services}");
+    assert!(!services.contains("a step ran without its service"), "{services}");
+    println!("the job with services was told: {}", services.lines().find(|l| l.contains("declares services")).unwrap_or_default());
+    let log = strip_log_timestamps(&gitea.job_log(&repo, run, 0).await);
     assert_eq!(status_of(&tasks, "build"), "failure", "{log}");
     in_order(
         &log,
