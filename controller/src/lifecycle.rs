@@ -51,6 +51,8 @@ pub struct Lifecycle {
     retire_grace: Duration,
     /// Assignments Gitea ended whose runner has not reported its own end yet.
     unreported: Arc<Mutex<HashSet<String>>>,
+    /// Where each end is counted (by placement and result).
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +65,20 @@ pub enum LifecycleError {
 
 impl Lifecycle {
     pub fn new(store: Arc<dyn Store>, placements: Placements, registrations: Registrations) -> Self {
-        Lifecycle { store, placements, registrations, retiring: TaskTracker::new(), retire_grace: DEFAULT_RETIRE_GRACE, unreported: Arc::default() }
+        Lifecycle {
+            store,
+            placements,
+            registrations,
+            retiring: TaskTracker::new(),
+            retire_grace: DEFAULT_RETIRE_GRACE,
+            unreported: Arc::default(),
+            metrics: None,
+        }
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub fn with_retire_grace(mut self, grace: Duration) -> Self {
@@ -108,6 +123,8 @@ impl Lifecycle {
     /// [`Lifecycle::finish`], keeping `reason` on the record for operators.
     async fn end(&self, assignment_id: &str, result: i32, reason: Option<&str>) -> Result<Record, LifecycleError> {
         let name = result_name(result);
+        // When this call's write ended it: the claim's time (0 when never claimed).
+        let ended_here: Mutex<Option<i64>> = Mutex::new(None);
         let deadline = tokio::time::Instant::now() + FINISH_RETRY;
         let mut pauses = contract::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
         let modified = contract::backoff::retry_until(
@@ -115,11 +132,22 @@ impl Lifecycle {
             &mut pauses,
             |error| matches!(error, StoreError::Unavailable { .. }),
             |_, _| tracing::warn!(assignment.id = assignment_id, "the store is unavailable; retrying to record the end"),
-            || store::modify(self.store.as_ref(), assignment_id, |current| (!current.is_terminal()).then(|| current.ended(name.clone(), reason))),
+            || {
+                store::modify(self.store.as_ref(), assignment_id, |current| {
+                    let next = (!current.is_terminal()).then(|| current.ended(name.clone(), reason));
+                    // Counted once, by the call whose write ended it.
+                    *ended_here.lock().unwrap_or_else(PoisonError::into_inner) = next.as_ref().map(|_| current.claimed_at_ms());
+                    next
+                })
+            },
         )
         .await;
         let record = modified?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
         self.release(&record);
+        let ended_here = ended_here.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let (Some(metrics), Some(claimed_at_ms)) = (&self.metrics, ended_here) {
+            metrics.job_finished(&record.placement.to_string(), &name, claimed_at_ms, record.ended_at_ms);
+        }
         tracing::info!(assignment.id = assignment_id, result = %name, "assignment finished");
         Ok(record)
     }

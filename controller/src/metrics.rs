@@ -36,6 +36,59 @@ pub struct KindLabel {
     pub kind: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    pub placement: String,
+    pub phase: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub placement: String,
+    pub result: String,
+}
+
+/// A stretch of a job's start, measured per placement (`gdr_job_phase_seconds`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobPhase {
+    /// Fetched from Gitea → its environment created by the driver (queueing for
+    /// capacity included).
+    Created,
+    /// Environment created → the supervisor claimed the task (the environment's boot:
+    /// image, storage, identity).
+    Claimed,
+    /// Claimed → the job-started hook let the first step through (the runner's start,
+    /// a `container:` job's image and services, a host-mode job's services).
+    FirstStep,
+}
+
+impl JobPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobPhase::Created => "created",
+            JobPhase::Claimed => "claimed",
+            JobPhase::FirstStep => "first_step",
+        }
+    }
+}
+
+/// Seconds from `from_ms` to `to_ms` (Unix ms), when both are known and in order.
+fn stretch(from_ms: i64, to_ms: i64) -> Option<f64> {
+    (from_ms > 0 && to_ms >= from_ms).then(|| (to_ms - from_ms) as f64 / 1000.0)
+}
+
+/// `RESULT_SUCCESS` → `success`: Gitea's result names as a bounded label.
+fn result_label(result: &str) -> String {
+    result.trim_start_matches("RESULT_").to_ascii_lowercase()
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Start-up stretches: seconds to minutes.
+const STARTUP_BUCKETS: [f64; 12] = [0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0];
+/// Jobs: seconds to hours.
+const DURATION_BUCKETS: [f64; 12] = [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 10800.0];
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
@@ -48,6 +101,12 @@ pub struct Metrics {
     pub job_startup: Histogram,
     /// Seconds from persisted to claimed.
     pub claim_latency: Histogram,
+    /// Each stretch of a job's start by placement ([`JobPhase`]).
+    pub job_phase: HistogramFamily<PhaseLabels>,
+    /// Jobs ended, by placement and Gitea's result.
+    pub jobs_finished: Family<ResultLabels, Counter>,
+    /// Claimed → ended, by placement and result (a job never claimed did not run).
+    pub job_duration: HistogramFamily<ResultLabels>,
     pub errors: Family<KindLabel, Counter>,
     /// Gitea's webhook deliveries by outcome (`queued`, `ignored`, `bad_signature`, `malformed`).
     pub webhook_deliveries: Family<KindLabel, Counter>,
@@ -84,9 +143,11 @@ impl Metrics {
         let pool_capacity = Family::<PlacementLabel, Gauge>::default();
         let assignments_persisted = Counter::default();
         let tasks_rejected = Counter::default();
-        let buckets = [0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0];
-        let job_startup = Histogram::new(buckets);
-        let claim_latency = Histogram::new(buckets);
+        let job_startup = Histogram::new(STARTUP_BUCKETS);
+        let claim_latency = Histogram::new(STARTUP_BUCKETS);
+        let job_phase: HistogramFamily<PhaseLabels> = Family::new_with_constructor(|| Histogram::new(STARTUP_BUCKETS));
+        let jobs_finished = Family::<ResultLabels, Counter>::default();
+        let job_duration: HistogramFamily<ResultLabels> = Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS));
         let errors = Family::<KindLabel, Counter>::default();
         let webhook_deliveries = Family::<KindLabel, Counter>::default();
         let placement_fetching = Family::<PlacementLabel, Gauge>::default();
@@ -102,6 +163,13 @@ impl Metrics {
         registry.register("tasks_rejected", "Tasks failed at once (placement rules, parse errors)", tasks_rejected.clone());
         registry.register("job_startup_seconds", "From FetchTask to gitea-runner started", job_startup.clone());
         registry.register("claim_latency_seconds", "From persisted to claimed", claim_latency.clone());
+        registry.register(
+            "job_phase_seconds",
+            "Each stretch of a job's start by placement: created (fetched to environment created), claimed (environment created to the task claimed), first_step (claimed to the first step let through)",
+            job_phase.clone(),
+        );
+        registry.register("jobs_finished", "Jobs ended, by placement and Gitea's result (success, failure, cancelled, skipped)", jobs_finished.clone());
+        registry.register("job_duration_seconds", "From the task claimed to the job ended, by placement and result", job_duration.clone());
         registry.register("errors", "Errors by kind", errors.clone());
         registry.register("webhook_deliveries", "Gitea webhook deliveries by outcome (queued: the fetch loops were woken)", webhook_deliveries.clone());
         let cache = std::sync::Arc::new(cache::CacheMetrics::default());
@@ -115,6 +183,9 @@ impl Metrics {
             tasks_rejected,
             job_startup,
             claim_latency,
+            job_phase,
+            jobs_finished,
+            job_duration,
             errors,
             webhook_deliveries,
             placement_fetching,
@@ -175,6 +246,24 @@ impl Metrics {
         (store && fetching, body)
     }
 
+    /// `placement`'s job went through `phase` from `from_ms` to `to_ms` (Unix ms); nothing
+    /// is observed when either end is unknown (a record written before it was kept).
+    pub fn job_phase(&self, placement: &str, phase: JobPhase, from_ms: i64, to_ms: i64) {
+        if let Some(seconds) = stretch(from_ms, to_ms) {
+            self.job_phase.get_or_create(&PhaseLabels { placement: placement.to_owned(), phase: phase.as_str() }).observe(seconds);
+        }
+    }
+
+    /// A job of `placement` ended with `result` (Gitea's name); `claimed_at_ms` is 0 when it
+    /// never ran.
+    pub fn job_finished(&self, placement: &str, result: &str, claimed_at_ms: i64, ended_at_ms: i64) {
+        let labels = ResultLabels { placement: placement.to_owned(), result: result_label(result) };
+        self.jobs_finished.get_or_create(&labels).inc();
+        if let Some(seconds) = stretch(claimed_at_ms, ended_at_ms) {
+            self.job_duration.get_or_create(&labels).observe(seconds);
+        }
+    }
+
     pub fn error(&self, kind: &str) {
         self.errors.get_or_create(&KindLabel { kind: kind.to_owned() }).inc();
     }
@@ -220,6 +309,47 @@ mod tests {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
+    }
+
+    #[test]
+    fn a_jobs_stretches_by_placement() {
+        let metrics = Metrics::new();
+        let cases: &[(JobPhase, i64, i64, Option<&str>)] = &[
+            (JobPhase::Created, 1_000, 3_500, Some(r#"gdr_job_phase_seconds_sum{placement="container.docker",phase="created"} 2.5"#)),
+            (JobPhase::Claimed, 3_500, 4_000, Some(r#"gdr_job_phase_seconds_sum{placement="container.docker",phase="claimed"} 0.5"#)),
+            (JobPhase::FirstStep, 4_000, 4_250, Some(r#"gdr_job_phase_seconds_bucket{le="0.25",placement="container.docker",phase="first_step"} 1"#)),
+            // Unknown or out-of-order ends observe nothing.
+            (JobPhase::Created, 0, 3_500, None),
+            (JobPhase::Claimed, 5_000, 4_000, None),
+        ];
+        for (phase, from, to, want) in cases {
+            let before = metrics.encode();
+            metrics.job_phase("container.docker", *phase, *from, *to);
+            let after = metrics.encode();
+            match want {
+                Some(line) => assert!(after.contains(line), "{phase:?} {from}..{to}: no {line} in:\n{after}"),
+                None => assert_eq!(before, after, "{phase:?} {from}..{to} observed something"),
+            }
+        }
+    }
+
+    #[test]
+    fn jobs_finished_by_placement_and_result() {
+        let metrics = Metrics::new();
+        metrics.job_finished("container.kubernetes", "RESULT_SUCCESS", 10_000, 70_000);
+        metrics.job_finished("container.kubernetes", "RESULT_FAILURE", 0, 70_000);
+        let text = metrics.encode();
+        for line in [
+            r#"gdr_jobs_finished_total{placement="container.kubernetes",result="success"} 1"#,
+            r#"gdr_jobs_finished_total{placement="container.kubernetes",result="failure"} 1"#,
+            r#"gdr_job_duration_seconds_sum{placement="container.kubernetes",result="success"} 60.0"#,
+        ] {
+            assert!(text.contains(line), "no {line} in:\n{text}");
+        }
+        assert!(
+            !text.contains(r#"gdr_job_duration_seconds_count{placement="container.kubernetes",result="failure"}"#),
+            "a job never claimed has no duration:\n{text}"
+        );
     }
 
     #[test]

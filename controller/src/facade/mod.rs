@@ -30,6 +30,7 @@ use crate::{
     assignment::{Assignment, Rules, capability::CapabilityKey},
     gitea::{self, GiteaError, TaskReports, registrations::Registrations},
     lifecycle::Lifecycle,
+    metrics::JobPhase,
     store::{self, Record, State, Store, StoreError, Versioned, now_ms},
 };
 
@@ -263,10 +264,12 @@ impl Facade {
                         Ok(_) => {
                             tracing::info!(assignment.id = %assignment.id, task_id = assignment.task.id, "claimed");
                             crate::failpoint::hit("after-claim");
-                            if let Some(metrics) = &self.metrics
-                                && record.value.created_at_ms > 0
-                            {
-                                metrics.claim_latency.observe(seconds_since(record.value.created_at_ms));
+                            if let Some(metrics) = &self.metrics {
+                                if record.value.created_at_ms > 0 {
+                                    metrics.claim_latency.observe(seconds_since(record.value.created_at_ms));
+                                }
+                                let placement = record.value.placement.to_string();
+                                metrics.job_phase(&placement, JobPhase::Claimed, record.value.environment_at_ms, claimed_at_ms);
                             }
                             return Ok(ClaimResponse {
                                 gitea_capabilities: self.gitea_capabilities(&record.value.runner),
@@ -384,6 +387,13 @@ impl Facade {
         let summary = phase_summary(phase, &request.detail, request.exit_code);
         let name = phase.as_str_name().trim_start_matches("PHASE_").to_ascii_lowercase();
         let at_ms = request.at.map_or_else(now_ms, |at| at.seconds.saturating_mul(1000).saturating_add(i64::from(at.nanos / 1_000_000)));
+        // The first job_started is the job's first step (a hook that passes twice reports twice).
+        if phase == Phase::JobStarted
+            && let Some(metrics) = &self.metrics
+            && !record.value.timeline.iter().any(|(name, _)| name == "job_started")
+        {
+            metrics.job_phase(&record.value.placement.to_string(), JobPhase::FirstStep, record.value.claimed_at_ms(), at_ms);
+        }
         // Kept on the record so that an environment that dies afterwards is reported
         // with what it last said, and its start-up can be read back (best effort: a phase
         // is not worth failing a call).

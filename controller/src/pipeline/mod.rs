@@ -94,7 +94,7 @@ impl PipelineBuilder {
     /// When the environments' socket directory cannot be prepared.
     pub fn build(self) -> Result<Pipeline, FacadeError> {
         let metrics = self.metrics.unwrap_or_else(|| Arc::new(Metrics::new()));
-        let mut lifecycle = Lifecycle::new(Arc::clone(&self.store), self.placements.clone(), self.registrations.clone());
+        let mut lifecycle = Lifecycle::new(Arc::clone(&self.store), self.placements.clone(), self.registrations.clone()).with_metrics(Arc::clone(&metrics));
         if let Some(grace) = self.retire_grace {
             lifecycle = lifecycle.with_retire_grace(grace);
         }

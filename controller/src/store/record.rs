@@ -49,6 +49,10 @@ pub struct Record {
     pub envelope: Vec<u8>,
     /// The driver's name for the environment once it was created (recovery metadata).
     pub environment: Option<String>,
+    /// When that environment was created (Unix ms; 0 before, or in a record written by an
+    /// earlier build): where the start-up's stretches meet.
+    #[serde(default)]
+    pub environment_at_ms: i64,
     pub updated_at_ms: i64,
     /// When the task was fetched from Gitea (Unix ms): the start of the job-startup
     /// and claim-latency measurements.
@@ -83,6 +87,7 @@ impl Record {
             state: State::Pending,
             envelope,
             environment: None,
+            environment_at_ms: 0,
             updated_at_ms: now_ms(),
             created_at_ms: fetched_at_ms,
             phase: None,
@@ -95,6 +100,14 @@ impl Record {
 
     pub fn is_terminal(&self) -> bool {
         matches!(self.state, State::Terminal { .. })
+    }
+
+    /// When a supervisor claimed it (Unix ms); 0 while it is not claimed.
+    pub fn claimed_at_ms(&self) -> i64 {
+        match self.state {
+            State::Claimed { claimed_at_ms, .. } => claimed_at_ms,
+            _ => 0,
+        }
     }
 
     /// The result a terminal record ended with, as the runner protocol's code.
@@ -117,10 +130,10 @@ impl Record {
         }
     }
 
-    /// This record with the driver's name for the environment made for it (the
+    /// This record with the driver's name for the environment made for it at `at_ms` (the
     /// recovery metadata).
-    pub fn with_environment(&self, name: &str) -> Record {
-        Record { environment: Some(name.to_owned()), ..self.clone() }
+    pub fn with_environment(&self, name: &str, at_ms: i64) -> Record {
+        Record { environment: Some(name.to_owned()), environment_at_ms: at_ms, ..self.clone() }
     }
 
     /// This record, to be placed again: the environment that ended before its claim
@@ -252,11 +265,15 @@ mod tests {
             ..record.clone()
         };
         let cases = [
-            ("with_environment: the name", pending.with_environment("env-a"), Record { environment: Some("env-a".into()), ..pending.clone() }),
+            (
+                "with_environment: the name and when",
+                pending.with_environment("env-a", 1_500),
+                Record { environment: Some("env-a".into()), environment_at_ms: 1_500, ..pending.clone() },
+            ),
             (
                 "with_environment: a new name replaces the last",
-                placed.with_environment("env-b"),
-                Record { environment: Some("env-b".into()), ..placed.clone() },
+                placed.with_environment("env-b", 1_800),
+                Record { environment: Some("env-b".into()), environment_at_ms: 1_800, ..placed.clone() },
             ),
             ("next_attempt: no environment, one attempt more", placed.next_attempt(), Record { environment: None, attempts: 2, ..placed.clone() }),
             ("next_attempt: on a record never placed", pending.next_attempt(), Record { attempts: 1, ..pending.clone() }),

@@ -24,6 +24,7 @@ use crate::{
     assignment::{Assignment, Rules, capability::CapabilityKey, placement},
     driver::{self, Driver, EnvironmentSpec, Phase},
     lifecycle::Lifecycle,
+    metrics::JobPhase,
     placements::PlacementState,
     store::{self, Delivery, Record, Store, StoreError},
 };
@@ -369,8 +370,12 @@ impl Worker {
         crate::failpoint::hit("after-create");
         // Record the recovery metadata before acknowledging (the facade may have
         // claimed meanwhile: modify re-reads on conflicts).
-        let recorded = store::modify(self.store.as_ref(), assignment_id, |current| Some(current.with_environment(&environment.name))).await?;
+        let created_at_ms = crate::clock::now_ms();
+        let recorded = store::modify(self.store.as_ref(), assignment_id, |current| Some(current.with_environment(&environment.name, created_at_ms))).await?;
         tracing::info!(assignment.id = %assignment_id, environment = %environment.name, placement = %self.served.placement, "environment created");
+        if let (Some(metrics), Some(record)) = (&self.metrics, &recorded) {
+            metrics.job_phase(&self.served.placement.to_string(), JobPhase::Created, record.value.created_at_ms, created_at_ms);
+        }
         // Finished while it was being created (cancelled in Gitea): retire it now.
         if recorded.is_some_and(|r| r.value.is_terminal()) {
             let (driver, name, id) = (Arc::clone(&self.driver), environment.name.clone(), assignment_id.to_owned());

@@ -15,13 +15,16 @@ use controller::{
     facade::{self, Facade, Peer},
     gitea::registrations::{RegistrationSettings, Registrations},
     lifecycle::Lifecycle,
+    metrics::Metrics,
     placements::{PlacementState, Placements},
     scheduler::{Outcome, Scheduler, keepalive::KeepAlive},
     store::{State, Store, embedded::Embedded},
     worker::{EnvironmentSettings, Worker},
 };
 use proto::{
-    facade::v1::{AssignmentCredential, ClaimRequest, UpdateLogRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient},
+    facade::v1::{
+        AssignmentCredential, ClaimRequest, Phase, ReportPhaseRequest, UpdateLogRequest, UpdateTaskRequest, facade_service_client::FacadeServiceClient,
+    },
     runner::v1::{self as runner, Result as TaskResult},
 };
 use testkit::wait_until;
@@ -41,6 +44,7 @@ struct Harness {
     lifecycle: Lifecycle,
     worker: Arc<Worker>,
     facade: Arc<Facade>,
+    metrics: Arc<Metrics>,
     client: FacadeServiceClient<tonic::transport::Channel>,
     shutdown: CancellationToken,
     _dir: tempfile::TempDir,
@@ -71,7 +75,10 @@ async fn harness(jobs: usize, capacity: usize) -> Harness {
     let driver = MemoryDriver::new("container.docker");
     let mut placements = Placements::new();
     let placed = placements.add(PLACEMENT, capacity, Some(Arc::new(driver.clone()) as Arc<dyn Driver>));
-    let lifecycle = Lifecycle::new(Arc::clone(&store), placements.clone(), registrations.clone()).with_retire_grace(Duration::from_millis(200));
+    let metrics = Arc::new(Metrics::new());
+    let lifecycle = Lifecycle::new(Arc::clone(&store), placements.clone(), registrations.clone())
+        .with_retire_grace(Duration::from_millis(200))
+        .with_metrics(Arc::clone(&metrics));
     let shutdown = CancellationToken::new();
 
     let (observer, mut outcomes) = tokio::sync::mpsc::unbounded_channel();
@@ -102,11 +109,14 @@ async fn harness(jobs: usize, capacity: usize) -> Harness {
             lifecycle.clone(),
         )
         .with_nak_delay(Duration::from_millis(100))
-        .with_hold(Duration::from_millis(200)),
+        .with_hold(Duration::from_millis(200))
+        .with_metrics(Arc::clone(&metrics)),
     );
     tokio::spawn(Arc::clone(&worker).run(shutdown.clone()));
     // The hostile-input test sends thousands of reports for one assignment on purpose.
-    let facade = Arc::new(Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), key, rules()).with_report_limit(1e9, 1e9));
+    let facade = Arc::new(
+        Facade::new(Arc::clone(&store), registrations.clone(), lifecycle.clone(), key, rules()).with_report_limit(1e9, 1e9).with_metrics(Arc::clone(&metrics)),
+    );
     let serving = Arc::clone(&facade);
     let serve_socket = socket.clone();
     let serve_shutdown = shutdown.clone();
@@ -120,7 +130,7 @@ async fn harness(jobs: usize, capacity: usize) -> Harness {
         }))
         .await
         .unwrap();
-    Harness { fake, store, driver, placed, registrations, lifecycle, worker, facade, client: FacadeServiceClient::new(channel), shutdown, _dir: dir }
+    Harness { fake, store, driver, placed, registrations, lifecycle, worker, facade, metrics, client: FacadeServiceClient::new(channel), shutdown, _dir: dir }
 }
 
 /// Waits until the worker created `n` environments; returns (assignment id, capability) pairs.
@@ -160,6 +170,11 @@ async fn claim_forward_and_finish() {
     assert_eq!(environment.env["CI_GITEA_URL"], h.fake.url());
     assert!(!environment.env.values().any(|v| v.contains("token-1")), "the runner token leaked into the environment");
 
+    // The worker records the environment after the driver made it.
+    testkit::wait_until_async("the environment is recorded", Duration::from_secs(5), || async {
+        h.store.get(&id).await.unwrap().is_some_and(|r| r.value.environment_at_ms > 0)
+    })
+    .await;
     let first = h.client.claim(claim(&id, &capability, HOLDER)).await.unwrap().into_inner();
     let task = first.task.clone().unwrap();
     let session = first.session.clone();
@@ -179,6 +194,19 @@ async fn claim_forward_and_finish() {
     assert!(refused.message().contains("session"), "{refused}");
     let status = h.client.claim(claim(&id, &session, HOLDER)).await.unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated, "a session claims nothing: {status}");
+
+    // The job's start, stretch by stretch: fetched → created (the worker), created →
+    // claimed (the claim), claimed → first step (the hook's first pass; a second is no
+    // new first step).
+    for _ in 0..2 {
+        let started = ReportPhaseRequest { credential: credential(&id, &session), phase: Phase::JobStarted as i32, ..Default::default() };
+        h.client.report_phase(started).await.unwrap();
+    }
+    let text = h.metrics.encode();
+    for phase in ["created", "claimed", "first_step"] {
+        let line = format!(r#"gdr_job_phase_seconds_count{{placement="container.docker",phase="{phase}"}} 1"#);
+        assert!(text.contains(&line), "no {line} in:\n{text}");
+    }
 
     // UpdateLog goes to Gitea; its ack comes back.
     let log = runner::UpdateLogRequest { task_id: task.id, index: 0, rows: vec![runner::LogRow { time: None, content: "step 1".into() }], no_more: false };
@@ -220,6 +248,14 @@ async fn claim_forward_and_finish() {
     });
     wait_until("the environment is retired", Duration::from_secs(5), || h.driver.live() == 0).await;
     wait_until("its pool slot is free", Duration::from_secs(5), || h.placed.pool.in_use() == 0).await;
+    // Ended once (Gitea's cancel), counted once: the runner's own final state after it is no second end.
+    let text = h.metrics.encode();
+    for line in [
+        r#"gdr_jobs_finished_total{placement="container.docker",result="cancelled"} 1"#,
+        r#"gdr_job_duration_seconds_count{placement="container.docker",result="cancelled"} 1"#,
+    ] {
+        assert!(text.contains(line), "no {line} in:\n{text}");
+    }
 
     // Long after the end, a session kept by a job is worth nothing.
     let ended_long_ago = controller::store::now_ms() - i64::try_from(facade::REPORTS_AFTER_END.as_millis()).unwrap() - 1000;

@@ -99,6 +99,7 @@ fn record(n: u64, placement: Placement) -> Record {
         state: State::Pending,
         envelope: format!("envelope of task {n}").into_bytes(),
         environment: None,
+        environment_at_ms: 0,
         updated_at_ms: 1_700_000_000_000,
         created_at_ms: 1_700_000_000_000,
         runner: String::new(),
