@@ -404,7 +404,7 @@ impl DockerDriver {
             memory_swap: Some(memory),
             nano_cpus: Some(nano_cpus),
             pids_limit: Some(config.pids_limit),
-            privileged: Some(config.job_dockerd && config.privileged),
+            privileged: Some(mode == JobDocker::Root && config.privileged),
             cap_add: (!config.privileged && !config.cap_add.is_empty()).then(|| config.cap_add.clone()),
             cap_drop: (!config.privileged && !cap_drop.is_empty()).then_some(cap_drop),
             security_opt: (!security_opt.is_empty()).then_some(security_opt),
@@ -664,7 +664,36 @@ fn ipv4_gateway(gateway: Option<&str>, subnet: Option<&str>) -> Option<std::net:
 
 #[cfg(test)]
 mod tests {
-    use super::ipv4_gateway;
+    use super::*;
+
+    /// `privileged = true` makes a privileged container in the root mode only, however
+    /// the mode is spelled (`job_docker = "root"` or the older `job_dockerd = true`).
+    #[test]
+    fn privileged_follows_the_mode() {
+        let cases: [(Option<JobDocker>, bool, bool, bool); 5] = [
+            (Some(JobDocker::Root), false, true, true),
+            (None, true, true, true),
+            (Some(JobDocker::Root), false, false, false),
+            (Some(JobDocker::None), false, true, false),
+            (None, false, true, false),
+        ];
+        for (mode, job_dockerd, privileged, expected) in cases {
+            let config = DockerConfig { job_docker: mode, job_dockerd, privileged, ..DockerConfig::unprivileged("gdr-runner:test") };
+            // Never called: bollard only checks that the socket's path exists.
+            let socket = tempfile::NamedTempFile::new().unwrap();
+            let docker = Docker::connect_with_unix(&socket.path().display().to_string(), 1, bollard::API_DEFAULT_VERSION).unwrap();
+            let driver = DockerDriver { placement: Placement::CONTAINER_DOCKER, docker, config, rootless_seccomp: None, choosing_ids: Arc::default() };
+            let spec = EnvironmentSpec {
+                assignment_id: "gitea-task-1".into(),
+                name: "gdr-test-gitea-task-1".into(),
+                labels: Default::default(),
+                env: Default::default(),
+                facade_dir: None,
+            };
+            let body = driver.body(&spec, None);
+            assert_eq!(body.host_config.and_then(|h| h.privileged), Some(expected), "{mode:?} job_dockerd={job_dockerd} privileged={privileged}");
+        }
+    }
 
     #[test]
     fn the_gateway_is_the_one_docker_reports_else_the_subnets_first_host() {
