@@ -166,7 +166,8 @@ mod tests {
                 (pool.acquire_within("b", Duration::from_secs(30)).await, started.elapsed())
             })
         };
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The test's runtime has one thread: yielding runs the waiter up to its wait.
+        tokio::task::yield_now().await;
         pool.release("a");
         let (acquired, waited) = waiter.await.unwrap();
         assert!(acquired && pool.holds("b"));

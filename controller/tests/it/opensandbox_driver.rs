@@ -50,7 +50,7 @@ fn config(server: &OpenSandbox, entrypoint: &[&str]) -> OpenSandboxConfig {
     ))
     .unwrap();
     config.entrypoint = entrypoint.iter().map(|s| (*s).to_owned()).collect();
-    config.env.insert("SUPERVISOR_DOCKER".into(), "false".into());
+    config.env.insert(contract::environment::supervisor::DOCKER.into(), "false".into());
     config
 }
 

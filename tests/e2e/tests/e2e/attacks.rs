@@ -20,6 +20,7 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use base64::Engine as _;
+use contract::environment::JobDocker;
 use controller::{
     assignment::capability::CapabilityKey,
     facade::{Peer, session_scope},
@@ -528,17 +529,6 @@ impl Placement {
     }
 }
 
-/// Which Docker a job has of its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum JobDocker {
-    /// None (the default).
-    Off,
-    /// A rootless dockerd (`docker.rootless_dockerd`).
-    Rootless,
-    /// A root dockerd (`job_dockerd`).
-    Root,
-}
-
 /// Runs the victims and the attacker in one mode — on Kubernetes with `spire`, a real SPIRE
 /// server and agent (k8s workload attestor), an entry per Pod and the facade on mTLS;
 /// returns attempt → (verdict, detail).
@@ -664,7 +654,7 @@ async fn attack(placement: Placement, job_docker: JobDocker, spire: bool) -> BTr
         victim_spiffe_id,
         tool_url: tool.as_ref().map_or_else(String::new, |tool| tool.url.clone()),
         http_port,
-        job_dockerd: job_docker != JobDocker::Off,
+        job_dockerd: job_docker != JobDocker::None,
         marker,
         marker_value,
         main_archive: cache_id(&victim_saves, "victim-main"),
@@ -847,7 +837,7 @@ fn expect(mode: &str, verdicts: &BTreeMap<String, (String, String)>, reach: &[&s
 /// task and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_docker_mode_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Docker, JobDocker::Off, false).await;
+    let verdicts = attack(Placement::Docker, JobDocker::None, false).await;
     expect("docker (default)", &verdicts, &[]);
 }
 
@@ -879,7 +869,7 @@ async fn a_job_local_dockerd_gives_a_hostile_job_the_host() {
 /// claimed): a job reaches its own task and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_kubernetes_mode_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Kubernetes, JobDocker::Off, false).await;
+    let verdicts = attack(Placement::Kubernetes, JobDocker::None, false).await;
     expect("kubernetes (default), development-mode TCP facade", &verdicts, &[]);
 }
 
@@ -901,7 +891,7 @@ async fn a_privileged_kubernetes_pod_gives_a_hostile_job_its_node() {
 /// Kubernetes mode. (With Kata the sandbox is a VM; not on this machine.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_opensandbox_sandbox_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Sandbox, JobDocker::Off, false).await;
+    let verdicts = attack(Placement::Sandbox, JobDocker::None, false).await;
     expect("vm.opensandbox (Docker runtime), development-mode TCP facade", &verdicts, &[]);
 }
 
@@ -910,6 +900,6 @@ async fn an_opensandbox_sandbox_holds_against_a_hostile_job() {
 /// victim's SVID and reaches the facade without one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_kubernetes_mode_with_spire_holds_against_a_hostile_job() {
-    let verdicts = attack(Placement::Kubernetes, JobDocker::Off, true).await;
+    let verdicts = attack(Placement::Kubernetes, JobDocker::None, true).await;
     expect("kubernetes (default), SPIRE and the mTLS facade", &verdicts, &[]);
 }

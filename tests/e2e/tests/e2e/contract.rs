@@ -147,9 +147,9 @@ async fn the_supervisor_starts_and_claims_with_exactly_what_drivers_set() {
                 .env_clear()
                 .envs(&spec.env)
                 .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-                .env("SUPERVISOR_DOCKER", "false")
-                .env("SUPERVISOR_STATE_DIR", scratch.join("state"))
-                .env("SUPERVISOR_RUNNER_DIR", scratch.join("runner"))
+                .env(contract::environment::supervisor::DOCKER, "false")
+                .env(contract::environment::supervisor::STATE_DIR, scratch.join("state"))
+                .env(contract::environment::supervisor::RUNNER_DIR, scratch.join("runner"))
                 // The runner's stand-in: the job command runs once the task is claimed, in
                 // the runner's directory where `.runner` was written.
                 .args(["run", "--", "sh", "-c", "test -f .runner && grep -q '\"address\": \"http://127.0.0.1:' .runner && echo runner-started"])
