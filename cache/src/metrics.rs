@@ -34,6 +34,8 @@ pub struct CacheMetrics {
     pub bytes_downloaded: Counter,
     pub evictions: Family<ReasonLabel, Counter>,
     pub stored_bytes: Gauge,
+    /// What the committed entries may hold in all (`max_total`): the quota the sweep keeps.
+    pub max_bytes: Gauge,
     pub stored_entries: Gauge,
     /// Requests refused, by reason (`crate::refusal::Refusal::reason`).
     pub refusals: Family<ReasonLabel, Counter>,
@@ -55,6 +57,7 @@ impl CacheMetrics {
         registry.register("downloaded_bytes", "Archive bytes served", self.bytes_downloaded.clone());
         registry.register("evictions", "Entries removed, by reason", self.evictions.clone());
         registry.register("stored_bytes", "Bytes stored in committed entries (at the last sweep)", self.stored_bytes.clone());
+        registry.register("max_bytes", "What committed entries may hold in all (cache.max_size); the sweep evicts past it", self.max_bytes.clone());
         registry.register("stored_entries", "Committed entries (at the last sweep)", self.stored_entries.clone());
         registry.register("refusals", "Requests refused, by reason (docs/security.md lists them)", self.refusals.clone());
         registry.register("uploading_bytes", "Bytes of saves in flight, charged to the in-flight allowance", self.uploading_bytes.clone());

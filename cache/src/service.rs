@@ -101,6 +101,7 @@ impl Cache {
         let storage = Arc::new(Storage::new(Arc::clone(&backend.store)));
         let uploads = Uploads::new(Arc::clone(&storage), limits, Arc::clone(&metrics), backend.directory.clone(), backend.write_chunk());
         let restores = Restores::new(Arc::clone(&storage), Arc::clone(&metrics));
+        metrics.max_bytes.set(i64::try_from(limits.max_total).unwrap_or(i64::MAX));
         Cache { storage, limits, metrics, uploads, restores, io: None, _io_runtime: None, requests: Arc::default() }
     }
 

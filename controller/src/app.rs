@@ -403,7 +403,7 @@ async fn placements_with_drivers(
         } else {
             placements.add(placement, pool.capacity, None);
         }
-        metrics.pool_capacity.get_or_create(&PlacementLabel { placement: placement.to_string() }).set(i64::try_from(pool.capacity).unwrap_or(i64::MAX));
+        metrics.configured(&placement.to_string(), pool.capacity);
     }
     Ok(placements)
 }

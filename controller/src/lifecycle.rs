@@ -33,6 +33,7 @@ use crate::{
     assignment::envelope,
     driver::{Driver, Phase},
     gitea::{self, registrations::Registrations},
+    metrics::{EndedBy, JobPhase},
     placements::Placements,
     store::{self, Record, Store, StoreError},
 };
@@ -120,8 +121,10 @@ impl Lifecycle {
         self.unreported.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// [`Lifecycle::finish`], keeping `reason` on the record for operators.
-    async fn end(&self, assignment_id: &str, result: i32, reason: Option<&str>) -> Result<Record, LifecycleError> {
+    /// [`Lifecycle::finish`], keeping `reason` on the record for operators when the
+    /// controller ends the job.
+    async fn end(&self, assignment_id: &str, result: i32, ended_by: Option<(EndedBy, &str)>) -> Result<Record, LifecycleError> {
+        let reason = ended_by.map(|(_, reason)| reason);
         let name = result_name(result);
         // When this call's write ended it: the claim's time (0 when never claimed).
         let ended_here: Mutex<Option<i64>> = Mutex::new(None);
@@ -143,10 +146,10 @@ impl Lifecycle {
         )
         .await;
         let record = modified?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
-        self.release(&record);
         let ended_here = ended_here.lock().unwrap_or_else(PoisonError::into_inner).take();
+        self.release(&record, ended_here.is_some());
         if let (Some(metrics), Some(claimed_at_ms)) = (&self.metrics, ended_here) {
-            metrics.job_finished(&record.placement.to_string(), &name, claimed_at_ms, record.ended_at_ms);
+            metrics.job_finished(&record.placement.to_string(), &name, ended_by.map(|(by, _)| by), claimed_at_ms, record.ended_at_ms);
         }
         tracing::info!(assignment.id = assignment_id, result = %name, "assignment finished");
         Ok(record)
@@ -159,10 +162,10 @@ impl Lifecycle {
     /// # Errors
     /// When the store cannot record it.
     #[tracing::instrument(skip(self, assignment_id, reason), fields(assignment.id = %assignment_id))]
-    pub async fn fail(&self, assignment_id: &str, reason: &str) -> Result<Record, LifecycleError> {
+    pub async fn fail(&self, assignment_id: &str, ended_by: EndedBy, reason: &str) -> Result<Record, LifecycleError> {
         let record = self.store.get(assignment_id).await?.ok_or_else(|| LifecycleError::NotFound(assignment_id.to_owned()))?.value;
         if record.is_terminal() {
-            self.release(&record);
+            self.release(&record, false);
             return Ok(record);
         }
         tracing::error!(assignment.id = assignment_id, reason, "failing the task");
@@ -180,11 +183,12 @@ impl Lifecycle {
             (_, Err(error)) => tracing::error!(assignment.id = assignment_id, %error, "cannot tell Gitea that the task failed"),
             (None, _) => tracing::error!(assignment.id = assignment_id, "not a Gitea task id; nothing to tell Gitea"),
         }
-        self.end(assignment_id, TaskResult::Failure as i32, Some(reason)).await
+        self.end(assignment_id, TaskResult::Failure as i32, Some((ended_by, reason))).await
     }
 
-    /// Frees what a terminal record held in this process (idempotent).
-    fn release(&self, record: &Record) {
+    /// Frees what a terminal record held in this process (idempotent); `ended_here`: this
+    /// process's write ended it, so its teardown is measured (once).
+    fn release(&self, record: &Record, ended_here: bool) {
         let Some(runtime) = self.placements.get(record.placement) else { return };
         runtime.admission.release(&record.assignment_id);
         match (runtime.driver(), record.environment.clone()) {
@@ -192,9 +196,13 @@ impl Lifecycle {
                 let (grace, runtime) = (self.retire_grace, Arc::clone(runtime));
                 let (assignment_id, runner, result) = (record.assignment_id.clone(), record.runner.clone(), record.result_code());
                 let (unreported, registrations) = (Arc::clone(&self.unreported), self.registrations.clone());
+                let teardown = self.metrics.clone().filter(|_| ended_here).map(|metrics| (metrics, record.placement.to_string(), record.ended_at_ms));
                 self.retiring.spawn(async move {
                     retire(driver.as_ref(), &environment, &assignment_id, grace, || {
                         runtime.pool.release(&assignment_id);
+                        if let Some((metrics, placement, ended_at_ms)) = teardown {
+                            metrics.job_phase(&placement, JobPhase::Teardown, ended_at_ms, crate::clock::now_ms());
+                        }
                     })
                     .await;
                     let untold = unreported.lock().unwrap_or_else(PoisonError::into_inner).remove(&assignment_id);

@@ -30,7 +30,7 @@ use crate::{
     assignment::{Assignment, Rules, capability::CapabilityKey},
     gitea::{self, GiteaError, TaskReports, registrations::Registrations},
     lifecycle::Lifecycle,
-    metrics::JobPhase,
+    metrics::{ErrorSource, JobPhase},
     store::{self, Record, State, Store, StoreError, Versioned, now_ms},
 };
 
@@ -132,6 +132,14 @@ impl Facade {
         }
     }
 
+    /// Counts `call`'s answer (`gdr_facade_calls_total`) and wraps it for tonic.
+    fn counted<T>(&self, call: &'static str, answer: Result<T, Status>) -> Result<Response<T>, Status> {
+        if let Some(metrics) = &self.metrics {
+            metrics.facade_call(call, answer.as_ref().map_or_else(Status::code, |_| tonic::Code::Ok));
+        }
+        answer.map(Response::new)
+    }
+
     pub(crate) fn metrics(&self) -> Option<&Arc<crate::metrics::Metrics>> {
         self.metrics.as_ref()
     }
@@ -164,7 +172,7 @@ impl Facade {
             return Ok(());
         }
         if let Some(metrics) = &self.metrics {
-            metrics.error("report_rate_limited");
+            metrics.error(ErrorSource::Facade, "report_rate_limited");
         }
         Err(Status::resource_exhausted(format!("{assignment_id} reports faster than the facade takes them; slow down")))
     }
@@ -359,7 +367,7 @@ impl Facade {
         let bytes: usize = inner.rows.iter().map(|row| row.content.len()).sum();
         if !self.log_bytes.admit_cost(&assignment.id, bytes as f64) {
             if let Some(metrics) = &self.metrics {
-                metrics.error("log_rate_limited");
+                metrics.error(ErrorSource::Facade, "log_rate_limited");
             }
             return Err(Status::resource_exhausted(format!("{} logs faster than {} MiB/s; slow down", assignment.id, limit::LOG_BYTES_PER_SECOND / 1048576.0)));
         }
@@ -381,7 +389,8 @@ impl Facade {
             && let Some(metrics) = &self.metrics
             && record.value.created_at_ms > 0
         {
-            metrics.job_startup.observe(seconds_since(record.value.created_at_ms));
+            let placement = crate::metrics::PlacementLabel { placement: record.value.placement.to_string() };
+            metrics.job_startup.get_or_create(&placement).observe(seconds_since(record.value.created_at_ms));
         }
         tracing::info!(assignment.id = %assignment.id, task_id = assignment.task.id, phase = phase.as_str_name(), exit_code = request.exit_code, detail = %request.detail, "environment phase");
         let summary = phase_summary(phase, &request.detail, request.exit_code);
@@ -467,24 +476,28 @@ impl FacadeService for Service {
     async fn claim(&self, request: Request<ClaimRequest>) -> Result<Response<ClaimResponse>, Status> {
         let peer = peer_of(&request)?;
         let span = span_of(request.get_ref().credential.as_ref());
-        self.0.claim(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+        let answer = self.0.claim(&peer, request.into_inner()).instrument(span).await;
+        self.0.counted("claim", answer)
     }
 
     async fn update_task(&self, request: Request<UpdateTaskRequest>) -> Result<Response<UpdateTaskResponse>, Status> {
         let peer = peer_of(&request)?;
         let span = span_of(request.get_ref().credential.as_ref());
-        self.0.update_task(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+        let answer = self.0.update_task(&peer, request.into_inner()).instrument(span).await;
+        self.0.counted("update_task", answer)
     }
 
     async fn update_log(&self, request: Request<UpdateLogRequest>) -> Result<Response<UpdateLogResponse>, Status> {
         let peer = peer_of(&request)?;
         let span = span_of(request.get_ref().credential.as_ref());
-        self.0.update_log(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+        let answer = self.0.update_log(&peer, request.into_inner()).instrument(span).await;
+        self.0.counted("update_log", answer)
     }
 
     async fn report_phase(&self, request: Request<ReportPhaseRequest>) -> Result<Response<ReportPhaseResponse>, Status> {
         let peer = peer_of(&request)?;
         let span = span_of(request.get_ref().credential.as_ref());
-        self.0.report_phase(&peer, request.into_inner()).instrument(span).await.map(Response::new)
+        let answer = self.0.report_phase(&peer, request.into_inner()).instrument(span).await;
+        self.0.counted("report_phase", answer)
     }
 }

@@ -191,7 +191,7 @@ where
                 None => {
                     tracing::warn!(peer = ?connection.peer, "facade connection refused: its peer holds {MAX_CONNECTIONS_PER_PEER} connections already");
                     if let Some(metrics) = &metrics {
-                        metrics.error("facade_connections_per_peer");
+                        metrics.error(crate::metrics::ErrorSource::Facade, "facade_connections_per_peer");
                     }
                     None
                 }

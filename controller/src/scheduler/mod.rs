@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     assignment::{Assignment, Placement, Rules},
     gitea::{self, Gitea, GiteaError, TaskReports},
+    metrics::ErrorSource,
     placements::{Placements, Ticket},
     store::{Record, Store, now_ms},
 };
@@ -243,7 +244,7 @@ impl Scheduler {
                         tracing::error!(%placement, error = %error, "this placement stops fetching tasks; the others and the running jobs go on");
                         if let Some(metrics) = &self.metrics {
                             metrics.placement(&placement, crate::metrics::PlacementStatus::Stopped(error.to_string()));
-                            metrics.error(error.metric_label());
+                            metrics.error(ErrorSource::Gitea, error.metric_label());
                         }
                     }
                     stop.cancel();
@@ -362,13 +363,13 @@ impl Scheduler {
                         "FetchTask got no answer in time; a task in that reply would be lost (raise gitea.fetch_timeout if Gitea is slow)"
                     );
                     if let Some(metrics) = &self.metrics {
-                        metrics.error("fetch_unanswered");
+                        metrics.error(ErrorSource::Gitea, "fetch_unanswered");
                     }
                     sleep_or_stop(self.config.fetch_interval, &shutdown).await;
                 }
                 Err(error) => {
                     if let Some(metrics) = &self.metrics {
-                        metrics.error(error.metric_label());
+                        metrics.error(ErrorSource::Gitea, error.metric_label());
                     }
                     drop(ticket);
                     failures += 1;
@@ -436,7 +437,7 @@ impl Scheduler {
                 if let Err(error) = &persisted {
                     failures.fetch_add(1, Ordering::SeqCst);
                     if let Some(metrics) = &self.metrics {
-                        metrics.error(error.metric_label());
+                        metrics.error(ErrorSource::Store, error.metric_label());
                     }
                 }
                 persisted

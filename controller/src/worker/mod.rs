@@ -24,7 +24,7 @@ use crate::{
     assignment::{Assignment, Rules, capability::CapabilityKey, placement},
     driver::{self, Driver, EnvironmentSpec, Phase},
     lifecycle::Lifecycle,
-    metrics::JobPhase,
+    metrics::{EndedBy, JobPhase},
     placements::PlacementState,
     store::{self, Delivery, Record, Store, StoreError},
 };
@@ -308,7 +308,7 @@ impl Worker {
             }
             Err(PlaceError::Driver(error)) if error.is_refusal() => {
                 let reason = format!("the {} environment could not be created: {error}", self.served.placement);
-                if let Err(failed) = self.lifecycle.fail(&assignment_id, &reason).await {
+                if let Err(failed) = self.lifecycle.fail(&assignment_id, EndedBy::Refused, &reason).await {
                     tracing::warn!(assignment.id = %assignment_id, error = %crate::error_chain(&failed), "cannot fail the task yet");
                     let _ = delivery.nak(self.nak_delay).await;
                 } else if let Err(error) = delivery.ack().await {
@@ -339,7 +339,7 @@ impl Worker {
             if record.value.state != store::State::Pending {
                 // It ran and is gone: a second environment would run the job twice.
                 let reason = format!("the job's environment {name} disappeared before the job finished");
-                self.lifecycle.fail(assignment_id, &reason).await.map_err(|e| PlaceError::Envelope(crate::error_chain(&e)))?;
+                self.lifecycle.fail(assignment_id, EndedBy::Lost, &reason).await.map_err(|e| PlaceError::Envelope(crate::error_chain(&e)))?;
                 return Ok(Placed::Done);
             }
         }

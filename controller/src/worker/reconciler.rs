@@ -22,6 +22,7 @@ use std::{sync::Arc, time::Duration};
 use crate::{
     driver::{Driver, Environment, LABEL_INSTANCE, Phase},
     lifecycle::{self, Lifecycle},
+    metrics::EndedBy,
     placements::PlacementState,
     store::{Record, State, Store, StoreError, now_ms},
 };
@@ -139,7 +140,7 @@ impl Reconciler {
                 let reason = format!("the job's environment {name} disappeared before the job finished{}", last_phase(&record));
                 if record.state == State::Pending {
                     self.try_again(&record.assignment_id, &name, &format!("the job's environment {name} disappeared before it claimed the job")).await;
-                } else if let Err(error) = self.lifecycle.fail(&record.assignment_id, &reason).await {
+                } else if let Err(error) = self.lifecycle.fail(&record.assignment_id, EndedBy::Lost, &reason).await {
                     tracing::warn!(assignment.id = %record.assignment_id, error = %crate::error_chain(&error), "cannot fail the task yet");
                 }
             }
@@ -169,7 +170,7 @@ impl Reconciler {
             }
             Ok(Some(record)) if record.value.state == State::Pending && record.value.environment.as_deref() == Some(environment) => {
                 let reason = format!("{reason}; gave up after {MAX_ATTEMPTS} environments{}", last_phase(&record.value));
-                if let Err(error) = self.lifecycle.fail(assignment_id, &reason).await {
+                if let Err(error) = self.lifecycle.fail(assignment_id, EndedBy::NotStarted, &reason).await {
                     tracing::warn!(assignment.id = assignment_id, error = %crate::error_chain(&error), "cannot fail the task yet");
                 }
                 false
@@ -263,7 +264,7 @@ impl Reconciler {
                     if environment.detail.is_empty() { "no reason given" } else { environment.detail.as_str() },
                     last_phase(record)
                 );
-                if let Err(error) = self.lifecycle.fail(&id, &reason).await {
+                if let Err(error) = self.lifecycle.fail(&id, EndedBy::Lost, &reason).await {
                     tracing::warn!(assignment.id = %id, error = %crate::error_chain(&error), "cannot fail the task yet");
                     return false;
                 }

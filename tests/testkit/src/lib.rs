@@ -12,6 +12,7 @@
 //! - [`spire`]: a REAL SPIRE server and agent.
 //! - [`process`]: a controller process of the real binary, stopped and started again.
 //! - [`s3`]: a REAL S3-compatible server (versitygw).
+//! - [`prometheus`]: a REAL Prometheus scraping one target and evaluating alert rules.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_debug_implementations)]
 
@@ -23,6 +24,7 @@ pub mod gitea;
 pub mod nats;
 pub mod opensandbox;
 pub mod process;
+pub mod prometheus;
 pub mod registry;
 pub mod s3;
 pub mod spire;
@@ -116,7 +118,7 @@ pub fn mutate(rng: &mut fastrand::Rng, mut bytes: Vec<u8>) -> Vec<u8> {
     bytes
 }
 
-/// The value of the sample `name` (with its labels, e.g. `gdr_errors_total{kind="x"}`) in
+/// The value of the sample `name` (with its labels, e.g. `gdr_errors_total{source="store",kind="x"}`) in
 /// a Prometheus text exposition, 0 when absent.
 pub fn metric(metrics: &str, name: &str) -> u64 {
     metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).map_or(0, |v| v as u64)

@@ -19,6 +19,7 @@ mod helm;
 mod jobs;
 mod kubernetes;
 mod neighbours;
+mod observability;
 mod public_actions;
 mod replicas;
 mod rootless;

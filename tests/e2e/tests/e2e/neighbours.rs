@@ -93,7 +93,7 @@ const EXPECTED: &[(&str, &[&str], &str)] = &[
     ("v2-block-past-the-largest-entry", &["429", "400"], "gdr_cache_refusals_total{reason=\"job_uploading\"}"),
     ("many-open-saves", &["429"], "gdr_cache_refusals_total{reason=\"open_uploads\"}"),
     ("downloads-left-unread", &["429"], "gdr_cache_refusals_total{reason=\"job_requests\"}"),
-    ("log-flood", &["printed", "(none)"], "gdr_errors_total{kind=\"log_rate_limited\"}"),
+    ("log-flood", &["printed", "(none)"], "gdr_errors_total{source=\"facade\",kind=\"log_rate_limited\"}"),
 ];
 
 /// Resident memory of process `pid`.
@@ -243,7 +243,7 @@ async fn hostile_job_leaves_the_neighbour_unharmed(mode: &str, docker_extra: &st
     // resident memory it measures.)
     let flooded = testkit::poll(Duration::from_secs(180), || async {
         let (_, metrics) = testkit::http_get(&metrics_url).await;
-        if metric(&metrics, "gdr_errors_total{kind=\"log_rate_limited\"}") > 0 { Ok(metrics) } else { Err(metrics) }
+        if metric(&metrics, "gdr_errors_total{source=\"facade\",kind=\"log_rate_limited\"}") > 0 { Ok(metrics) } else { Err(metrics) }
     })
     .await;
     let metrics = flooded.unwrap_or_else(|metrics| {
