@@ -35,7 +35,7 @@ async fn three_replicas_survive_one_node_and_recover_from_two() {
     for n in 1..=10 {
         let fresh =
             JetStream::connect_replicated(&cluster.url(), &format!("fresh{n}.assignments"), &format!("fresh{n}"), Duration::from_secs(30), 3).await.unwrap();
-        assert!(fresh.persist(&record(n)).await.unwrap_or_else(|error| panic!("fresh store {n}: the first write failed: {error}")));
+        assert!(fresh.persist(&record(n)).await.unwrap_or_else(|error| panic!("fresh store {n}: the first write failed: {}", controller::error_chain(&error))));
     }
     let store = JetStream::connect_replicated(&cluster.url(), "ci.assignments", "assignments", Duration::from_secs(30), 3).await.unwrap();
     for n in 1..=5 {

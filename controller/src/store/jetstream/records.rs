@@ -117,7 +117,12 @@ impl Records for JetStream {
     async fn persist(&self, record: &Record) -> Result<bool, StoreError> {
         let id = &record.assignment_id;
         let value = self.encode_fitting(record)?;
-        if self.finished.entry(id).await.map_err(unavailable(format!("reading finished record {id}")))?.is_some_and(|e| e.operation == kv::Operation::Put) {
+        // The first request to a stream just created may find nobody answering yet, a read
+        // as much as a write (a fresh three-node cluster, one CI run in many).
+        let finished = retry_no_responders(|| self.finished.entry(id), |error: &kv::EntryError| crate::error_chain(error).contains("no responders"))
+            .await
+            .map_err(unavailable(format!("reading finished record {id}")))?;
+        if finished.is_some_and(|e| e.operation == kv::Operation::Put) {
             return Ok(false);
         }
         let unanswered = |error: &kv::CreateError| crate::error_chain(error).contains("no responders");
