@@ -79,9 +79,9 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
-/// Every `outcome` of `gdr_environments_ended_total`: Gitea's results, then the
-/// controller's reasons ([`EndedBy`]).
-const OUTCOMES: [&str; 7] = ["success", "failure", "cancelled", "skipped", "lost", "not_started", "refused"];
+/// Gitea's results as labels ([`result_label`]): the outcomes of jobs that ended
+/// themselves.
+const RESULTS: [&str; 4] = ["success", "failure", "cancelled", "skipped"];
 
 /// Why the controller, not the job, ended a job ([`crate::lifecycle::Lifecycle::fail`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,7 +162,7 @@ fn result_label(result: &str) -> &'static str {
 
 /// A gRPC code as a label: `ok`, or the Connect protocol's name of the code
 /// (`unauthenticated`, …), as Gitea's errors are labelled.
-pub fn code_label(code: tonic::Code) -> &'static str {
+fn code_label(code: tonic::Code) -> &'static str {
     connect::Code::from_grpc(code as i32).map_or("ok", connect::Code::as_str)
 }
 
@@ -300,10 +300,11 @@ impl Metrics {
     /// a rate reads 0, not absent (alerts and panels read "no data" as nothing).
     pub fn configured(&self, placement: &str, capacity: usize) {
         self.pool_capacity.get_or_create(&PlacementLabel { placement: placement.to_owned() }).set(i64::try_from(capacity).unwrap_or(i64::MAX));
-        for outcome in OUTCOMES {
+        let ended_by = [EndedBy::Refused, EndedBy::Lost, EndedBy::NotStarted].map(EndedBy::as_str);
+        for outcome in RESULTS.into_iter().chain(ended_by) {
             let _ = self.environments_ended.get_or_create(&OutcomeLabels { placement: placement.to_owned(), outcome });
         }
-        for result in &OUTCOMES[..4] {
+        for result in RESULTS {
             let _ = self.jobs_finished.get_or_create(&ResultLabels { placement: placement.to_owned(), result });
             let _ = self.job_duration.get_or_create(&ResultLabels { placement: placement.to_owned(), result });
         }
